@@ -1,0 +1,168 @@
+"""Discovery of a model's transformer blocks and of the trainable parameters inside them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+from torch import nn
+
+BlocksSpec = Union[str, Callable[[nn.Module], "nn.ModuleList | list[nn.Module]"]]
+
+#: Dotted paths tried in order, relative to the unwrapped model. They cover Llama, Qwen2, Mistral,
+#: Gemma/Gemma2/Gemma3, Phi3 (``model.layers``), GPT-2 and Falcon (``transformer.h``), OPT
+#: (``model.decoder.layers``), GPT-NeoX (``gpt_neox.layers``), multimodal Gemma3 and the bare
+#: backbones (``layers``, ``h``, ``decoder.layers``).
+KNOWN_BLOCK_PATHS: tuple[str, ...] = (
+    "model.layers",
+    "model.language_model.layers",
+    "transformer.h",
+    "model.decoder.layers",
+    "gpt_neox.layers",
+    "layers",
+    "h",
+    "decoder.layers",
+    "blocks",
+)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip wrappers (peft ``PeftModel``/``LoraModel``, DDP, ``torch.compile``) that hide the base model."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP, DataParallel
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+    return model
+
+
+def _get_dotted(module: nn.Module, path: str) -> object | None:
+    obj: object = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _largest_homogeneous_module_list(model: nn.Module) -> nn.ModuleList | None:
+    """Fallback for plain torch models: the longest ``nn.ModuleList`` whose items share one class."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(item) for item in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    return best
+
+
+def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module]:
+    """Return the ordered transformer blocks of ``model``.
+
+    Args:
+        model: A Hugging Face model (optionally wrapped by peft) or a plain torch model.
+        blocks: ``"auto"`` to discover, a dotted attribute path (``"model.layers"``) relative to the
+            unwrapped model (or, failing that, to ``model`` itself), or a callable ``model -> blocks``.
+
+    Raises:
+        ValueError: if no block list can be found.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.stack = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        >>> len(find_blocks(Net()))
+        3
+    """
+    base = unwrap_model(model)
+    if callable(blocks) and not isinstance(blocks, str):
+        found = list(blocks(model))
+        if not found:
+            raise ValueError(f"The `blocks` callable {blocks!r} returned no blocks.")
+        return found
+    if not isinstance(blocks, str):
+        raise TypeError(f"`blocks` must be 'auto', a dotted path or a callable, got {type(blocks).__name__}.")
+    if blocks != "auto":
+        for root in (base, model):
+            found_obj = _get_dotted(root, blocks)
+            if isinstance(found_obj, (nn.ModuleList, nn.Sequential, list, tuple)) and len(found_obj) > 0:
+                return list(found_obj)
+        raise ValueError(
+            f"`blocks={blocks!r}` does not name a non-empty nn.ModuleList on {type(base).__name__}."
+        )
+    for path in KNOWN_BLOCK_PATHS:
+        found_obj = _get_dotted(base, path)
+        if isinstance(found_obj, nn.ModuleList) and len(found_obj) > 0:
+            return list(found_obj)
+    fallback = _largest_homogeneous_module_list(base)
+    if fallback is not None:
+        return list(fallback)
+    raise ValueError(
+        f"Could not find the transformer blocks of {type(base).__name__}: tried the attributes "
+        f"{', '.join(KNOWN_BLOCK_PATHS)} and any nn.ModuleList of same-class modules. Pass "
+        "`blocks='dotted.path.to.ModuleList'` or `blocks=lambda model: [...]`."
+    )
+
+
+@dataclass
+class BlockParams:
+    """Trainable parameters of a model, grouped by the block that owns them."""
+
+    blocks: list[nn.Module]
+    params_per_block: list[list[nn.Parameter]]
+    names_per_block: list[list[str]]
+    outside: list[str] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def all_block_params(self) -> list[nn.Parameter]:
+        return [p for params in self.params_per_block for p in params]
+
+    def block_of(self) -> dict[int, int]:
+        """Map ``id(param)`` to its block index."""
+        return {id(p): i for i, params in enumerate(self.params_per_block) for p in params}
+
+
+def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> BlockParams:
+    """Group the parameters that currently require grad by block.
+
+    Must be called before any ``requires_grad`` toggling (it takes the user's trainable set as it is).
+
+    Raises:
+        ValueError: if no block holds a trainable parameter.
+    """
+    found = find_blocks(model, blocks)
+    names_of = {id(p): n for n, p in model.named_parameters()}
+    params_per_block: list[list[nn.Parameter]] = []
+    names_per_block: list[list[str]] = []
+    in_blocks: set[int] = set()
+    for block in found:
+        params = [p for p in block.parameters() if p.requires_grad and id(p) not in in_blocks]
+        in_blocks.update(id(p) for p in params)
+        params_per_block.append(params)
+        names_per_block.append([names_of.get(id(p), "?") for p in params])
+    if not in_blocks:
+        raise ValueError(
+            f"No trainable parameter inside any of the {len(found)} blocks of {type(unwrap_model(model)).__name__}: "
+            "LCSB selects blocks whose LoRA parameters train. Inject LoRA (e.g. peft.get_peft_model) before fit, "
+            "or leave the block parameters with requires_grad=True."
+        )
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_blocks]
+    return BlockParams(found, params_per_block, names_per_block, outside)
+
+
+def grad_norm(params: list[torch.Tensor]) -> float:
+    """L2 norm of the gradients of ``params`` (0.0 when none has a gradient)."""
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(grads)))
