@@ -60,6 +60,16 @@ def _largest_homogeneous_module_list(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
+def _candidate_roots(model: nn.Module, max_depth: int = 3) -> list[nn.Module]:
+    """``model`` then its submodules breadth-first (each unwrapped), so that a LightningModule holding
+    a Hugging Face or peft model as ``self.model`` is searched through."""
+    roots, frontier = [model], [model]
+    for _ in range(max_depth):
+        frontier = [unwrap_model(child) for parent in frontier for child in parent.children()]
+        roots.extend(frontier)
+    return roots
+
+
 def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module]:
     """Return the ordered transformer blocks of ``model``.
 
@@ -97,10 +107,11 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module
         raise ValueError(
             f"`blocks={blocks!r}` does not name a non-empty nn.ModuleList on {type(base).__name__}."
         )
-    for path in KNOWN_BLOCK_PATHS:
-        found_obj = _get_dotted(base, path)
-        if isinstance(found_obj, nn.ModuleList) and len(found_obj) > 0:
-            return list(found_obj)
+    for candidate in _candidate_roots(base):
+        for path in KNOWN_BLOCK_PATHS:
+            found_obj = _get_dotted(candidate, path)
+            if isinstance(found_obj, nn.ModuleList) and len(found_obj) > 0:
+                return list(found_obj)
     fallback = _largest_homogeneous_module_list(base)
     if fallback is not None:
         return list(fallback)

@@ -1,0 +1,35 @@
+"""Block-selection policies: which transformer blocks are back-propagated at each optimizer step.
+
+========== ===================================================== ===========================
+name       selection                                             reference
+========== ===================================================== ===========================
+cyclic     consecutive groups of k, in turn                      LCSB (arXiv 2602.13073)
+random     k random blocks; ``reshuffle`` covers all per cycle   LISA / BAdam random order
+grad_norm  EMA of LoRA grad norms + exploration, bounded gaps    importance sampling
+full       all blocks                                            full-backprop baseline
+freeze     the top k blocks only                                 the paper's Freeze baseline
+========== ===================================================== ===========================
+"""
+
+from lcsb_lightning.policies.base import (
+    SelectionPolicy,
+    available_policies,
+    balanced_groups,
+    build_policy,
+    register_policy,
+)
+from lcsb_lightning.policies.simple import CyclicPolicy, FreezePolicy, FullPolicy
+from lcsb_lightning.policies.stochastic import GradNormPolicy, RandomPolicy
+
+__all__ = [
+    "SelectionPolicy",
+    "available_policies",
+    "balanced_groups",
+    "build_policy",
+    "register_policy",
+    "CyclicPolicy",
+    "FreezePolicy",
+    "FullPolicy",
+    "GradNormPolicy",
+    "RandomPolicy",
+]

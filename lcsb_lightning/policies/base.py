@@ -1,0 +1,161 @@
+"""The selection-policy interface, subset sizing and the name registry."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Callable, TypeVar
+
+Selection = tuple[int, ...]
+
+
+def balanced_groups(indices: list[int], num_groups: int) -> list[list[int]]:
+    """Split ``indices`` into ``num_groups`` consecutive groups whose sizes differ by at most one."""
+    base, extra = divmod(len(indices), num_groups)
+    groups, start = [], 0
+    for g in range(num_groups):
+        size = base + (1 if g < extra else 0)
+        groups.append(indices[start : start + size])
+        start += size
+    return groups
+
+
+class SelectionPolicy(ABC):
+    """Chooses which blocks are back-propagated at each optimizer step.
+
+    A policy is built with its subset size, then bound to a model's block count with :meth:`setup`.
+    ``select(step)`` is called once per optimizer step with increasing steps; a new subset is chosen
+    every ``switch_every`` steps (one "round") and reused in between.
+
+    Args:
+        layers_per_step: ``k``, the number of blocks trained per round.
+        fraction: ``f`` in (0, 1]; ``k = max(1, round(f * N))``. Give exactly one of ``k`` and ``f``
+            (policies that need neither say so with ``needs_size = False``).
+        switch_every: optimizer steps between re-selections.
+        seed: seed of the policy's random generator (if any).
+    """
+
+    #: Whether the policy needs exactly one of ``layers_per_step`` / ``fraction``.
+    needs_size: bool = True
+
+    def __init__(
+        self,
+        layers_per_step: int | None = None,
+        fraction: float | None = None,
+        switch_every: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if layers_per_step is not None and fraction is not None:
+            raise ValueError(
+                f"Give only one of `layers_per_step` ({layers_per_step}) and `fraction` ({fraction})."
+            )
+        if self.needs_size and layers_per_step is None and fraction is None:
+            raise ValueError(f"{type(self).__name__} needs `layers_per_step=k` or `fraction=f`; got neither.")
+        if layers_per_step is not None and (isinstance(layers_per_step, bool) or int(layers_per_step) != layers_per_step or layers_per_step < 1):
+            raise ValueError(f"`layers_per_step` must be an integer >= 1, got {layers_per_step!r}.")
+        if fraction is not None and not (0.0 < float(fraction) <= 1.0):
+            raise ValueError(f"`fraction` must be in (0, 1], got {fraction!r}.")
+        if isinstance(switch_every, bool) or int(switch_every) != switch_every or switch_every < 1:
+            raise ValueError(f"`switch_every` must be an integer >= 1, got {switch_every!r}.")
+        self.layers_per_step = None if layers_per_step is None else int(layers_per_step)
+        self.fraction = None if fraction is None else float(fraction)
+        self.switch_every = int(switch_every)
+        self.seed = int(seed)
+        self.num_blocks = 0
+        self.k = 0
+        self._round = -1
+        self._selection: Selection = ()
+
+    # ----------------------------------------------------------------------------------------- setup
+    def setup(self, num_blocks: int) -> None:
+        """Bind the policy to a model with ``num_blocks`` blocks and resolve ``k``."""
+        if num_blocks < 1:
+            raise ValueError(f"A policy needs at least one block, got num_blocks={num_blocks}.")
+        if self.layers_per_step is not None:
+            if self.layers_per_step > num_blocks:
+                raise ValueError(
+                    f"`layers_per_step={self.layers_per_step}` exceeds the model's {num_blocks} blocks; "
+                    f"allowed: 1..{num_blocks}."
+                )
+            k = self.layers_per_step
+        elif self.fraction is not None:
+            k = max(1, round(self.fraction * num_blocks))
+        else:
+            k = num_blocks
+        self.num_blocks, self.k = num_blocks, k
+        self._round, self._selection = -1, ()
+        self._on_setup()
+
+    def _on_setup(self) -> None:
+        """Hook for subclasses: build per-model state after ``num_blocks`` and ``k`` are known."""
+
+    @property
+    def num_groups(self) -> int:
+        """Rounds needed to visit every block once with ``k`` blocks per round."""
+        return math.ceil(self.num_blocks / self.k)
+
+    # ------------------------------------------------------------------------------------- selection
+    def select(self, step: int) -> Selection:
+        """Sorted block indices to back-propagate at optimizer step ``step``."""
+        if self.num_blocks == 0:
+            raise RuntimeError(f"{type(self).__name__}.setup(num_blocks) must be called before select().")
+        target = step // self.switch_every
+        if target < self._round:
+            raise ValueError(
+                f"select() went back in time: step {step} (round {target}) after round {self._round}. "
+                "Restore the policy with load_state_dict() instead."
+            )
+        while self._round < target:  # advancing round by round keeps stateful policies reproducible
+            self._round += 1
+            self._selection = tuple(sorted(self._choose(self._round)))
+        return self._selection
+
+    @abstractmethod
+    def _choose(self, round_index: int) -> list[int]:
+        """Blocks for round ``round_index`` (called once per round, in order)."""
+
+    def observe(self, grad_norms: dict[int, float]) -> None:
+        """Receive the gradient norm of each block trained this step (after gradient synchronisation)."""
+
+    # ---------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_blocks", self.num_blocks) != self.num_blocks or state.get("k", self.k) != self.k:
+            raise ValueError(
+                f"Policy state was saved for num_blocks={state.get('num_blocks')}, k={state.get('k')}; "
+                f"this policy has num_blocks={self.num_blocks}, k={self.k}."
+            )
+        self._round = int(state["round"])
+        self._selection = tuple(state["selection"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(k={self.k or self.layers_per_step or self.fraction}, switch_every={self.switch_every})"
+
+
+_REGISTRY: dict[str, type[SelectionPolicy]] = {}
+P = TypeVar("P", bound=type[SelectionPolicy])
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator adding a policy to the registry under ``name``."""
+
+    def decorator(cls: P) -> P:
+        if name in _REGISTRY and _REGISTRY[name].__qualname__ != cls.__qualname__:
+            raise ValueError(f"A policy named {name!r} is already registered ({_REGISTRY[name].__name__}).")
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_policy(name: str, **kwargs: Any) -> SelectionPolicy:
+    """Build a registered policy by name, e.g. ``build_policy("cyclic", layers_per_step=4)``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown policy {name!r}; available: {', '.join(available_policies())}.")
+    return _REGISTRY[name](**kwargs)

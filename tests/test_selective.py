@@ -1,0 +1,140 @@
+"""Gradient semantics of the identity path (LCSB's backward) and of plain requires_grad toggling."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from lcsb_lightning.blocks import map_trainable_params
+from lcsb_lightning.selective import SelectiveBackprop
+from tests.conftest import ResidualNet, tiny_llama_peft
+
+SELECTIONS = [(0,), (1,), (2,), (3,), (0, 2), (1, 3), (0, 1, 2, 3)]
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def _set_trainable(model: nn.Module, selection: tuple[int, ...]) -> None:
+    for i, params in enumerate(map_trainable_params(model).params_per_block):
+        for p in params:
+            p.requires_grad_(i in selection)
+
+
+def _surrogate_hooks(blocks: list[nn.Module], selection: tuple[int, ...]) -> list:
+    """The paper's definition, written independently: h + stop_grad(f(h) - h) for skipped blocks."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output):
+        h = args[0] if args else kwargs["hidden_states"]
+        o = output if isinstance(output, torch.Tensor) else output[0]
+        new = h + (o - h).detach()
+        return new if isinstance(output, torch.Tensor) else (new, *output[1:])
+
+    return [b.register_forward_hook(hook, with_kwargs=True) for i, b in enumerate(blocks) if i not in selection]
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "plain": lambda: (torch.manual_seed(0), ResidualNet(num_blocks=4))[1],
+    "llama_peft": lambda: tiny_llama_peft(num_layers=4),
+}
+
+
+@pytest.mark.parametrize("selection", SELECTIONS, ids=str)
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_identity_path_matches_surrogate(kind: str, selection: tuple[int, ...]) -> None:
+    tokens = torch.randint(0, 16, (2, 10), generator=torch.Generator().manual_seed(1))
+    model = MODELS[kind]()
+    blocks = map_trainable_params(model).blocks
+    full_loss = _loss(model, tokens)
+
+    _set_trainable(model, selection)
+    hooks = _surrogate_hooks(blocks, selection)
+    _loss(model, tokens).backward()
+    expected = _grads(model)
+    for hook in hooks:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+
+    selective = SelectiveBackprop(blocks)
+    selective.set_selection(selection)
+    loss = _loss(model, tokens)
+    loss.backward()
+    got = _grads(model)
+    selective.remove()
+
+    assert loss.item() == full_loss.item()  # exact forward value, bit for bit
+    mapped = map_trainable_params(_restore(model))
+    for i, names in enumerate(mapped.names_per_block):
+        for name in names:
+            if i in selection:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7)
+            else:
+                assert got[name] is None, f"{name} of skipped block {i} received a gradient"
+
+
+def _restore(model: nn.Module) -> nn.Module:
+    for name, p in model.named_parameters():
+        if "lora_" in name or ("stack" in name):
+            p.requires_grad_(True)
+    return model
+
+
+@pytest.mark.parametrize("selection", SELECTIONS, ids=str)
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_exact_mode_gives_full_backprop_grads(kind: str, selection: tuple[int, ...]) -> None:
+    tokens = torch.randint(0, 16, (2, 10), generator=torch.Generator().manual_seed(2))
+    model = MODELS[kind]()
+    _loss(model, tokens).backward()
+    full = _grads(model)
+    model.zero_grad(set_to_none=True)
+    _set_trainable(model, selection)
+    _loss(model, tokens).backward()
+    got = _grads(model)
+    mapped = map_trainable_params(_restore(model))
+    for i, names in enumerate(mapped.names_per_block):
+        for name in names:
+            if i in selection:
+                torch.testing.assert_close(got[name], full[name], rtol=1e-5, atol=1e-7)
+            else:
+                assert got[name] is None
+
+
+def test_skipped_block_saves_nothing_and_eval_is_untouched() -> None:
+    torch.manual_seed(0)
+    model = ResidualNet(num_blocks=4)
+    tokens = torch.randint(0, 16, (2, 6))
+    selective = SelectiveBackprop(model.stack)
+    selective.set_selection([3])
+    saved: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        h = model.embed(tokens)
+        for block in model.stack[:3]:
+            h = block(h)
+    assert saved == []  # blocks 0-2 are skipped: no activation kept for backward
+    with torch.no_grad():
+        selective.set_selection([0])
+        a = model(tokens)
+        selective.clear()
+        b = model(tokens)
+    assert torch.equal(a, b)
+    selective.remove()
+    assert all("forward" not in vars(b) for b in model.stack)
+
+
+def test_identity_path_errors() -> None:
+    selective = SelectiveBackprop([nn.Linear(4, 3)])
+    selective.set_selection([])
+    with pytest.raises(ValueError, match="needs a residual block"):
+        selective.blocks[0](torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="already has selective backprop installed"):
+        SelectiveBackprop(selective.blocks)
