@@ -1,0 +1,150 @@
+"""LCSBCallback inside real Trainers: momentum modes, accumulation, resume, logging, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lcsb_lightning import LCSBCallback
+from lcsb_lightning.policies import CyclicPolicy
+from tests.conftest import ResidualNet, TokenLM, quiet_trainer, tiny_llama_peft, token_batches
+
+
+class Recorder(Callback):
+    """Snapshots the selection and block-0 parameters after every optimizer step."""
+
+    def __init__(self, lcsb: LCSBCallback) -> None:
+        self.lcsb = lcsb
+        self.selections: list[tuple[int, ...]] = []
+        self.block0: list[torch.Tensor] = []
+        self.requires_grad_during_fit: list[bool] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.selections.append(self.lcsb.selection)
+        block0 = self.lcsb._block_params.params_per_block[0]
+        self.block0.append(torch.cat([p.detach().flatten() for p in block0]).clone())
+
+
+def _fit(model: TokenLM, lcsb: LCSBCallback, steps: int, **trainer_kwargs: Any) -> Recorder:
+    recorder = Recorder(lcsb)
+    trainer = quiet_trainer(max_steps=steps, callbacks=[lcsb, recorder], **trainer_kwargs)
+    trainer.fit(model, token_batches(num_batches=16))
+    return recorder
+
+
+@pytest.mark.parametrize("momentum", ["implicit", "skip", "reset"])
+def test_momentum_modes(residual_net, momentum: str) -> None:
+    # 2 blocks, k=1: block 0 trains at steps 0, 2, 4; block 1 at steps 1, 3, 5.
+    model = TokenLM(residual_net(num_blocks=2), lr=0.05, weight_decay=0.1)
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, momentum=momentum)
+    recorder = _fit(model, lcsb, steps=4)
+    assert recorder.selections == [(0,), (1,), (0,), (1,)]
+    moved_while_skipped = not torch.equal(recorder.block0[0], recorder.block0[1])
+    assert moved_while_skipped == (momentum == "implicit")
+    optimizer_state = model.trainer.optimizers[0].state
+    block0_params = list(model.model.stack[0].parameters())
+    has_state = [p in optimizer_state and len(optimizer_state[p]) > 0 for p in block0_params]
+    assert all(has_state) == (momentum != "reset")
+    assert not any(has_state) == (momentum == "reset")
+    # the model is left as found
+    assert all(p.requires_grad for p in model.model.stack.parameters())
+    assert all("forward" not in vars(b) for b in model.model.stack)
+
+
+def test_selection_changes_only_at_optimizer_steps_under_accumulation(residual_net) -> None:
+    model = TokenLM(residual_net(num_blocks=4))
+    lcsb = LCSBCallback("cyclic", layers_per_step=2)
+    recorder = _fit(model, lcsb, steps=3, accumulate_grad_batches=2)
+    assert recorder.selections == [(0, 1), (0, 1), (2, 3), (2, 3), (0, 1), (0, 1)]
+    assert lcsb.selection_counts == [2, 2, 1, 1]
+
+
+def test_trains_peft_llama_in_an_ordinary_lightning_module() -> None:
+    model = TokenLM(tiny_llama_peft(num_layers=4), lr=5e-3)
+    lcsb = LCSBCallback("cyclic", fraction=0.5, log_every_n_steps=0)
+    trainer = quiet_trainer(max_steps=12, callbacks=[lcsb])
+    trainer.fit(model, token_batches(num_batches=2, seq=16))
+    assert lcsb.selection_counts == [6, 6, 6, 6]
+    assert sum(model.losses[-2:]) < sum(model.losses[:2])  # it learns the two repeated batches
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.requires_grad for p in lora)
+
+
+@pytest.mark.parametrize("policy", ["cyclic", "random", "grad_norm"])
+def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, policy: str) -> None:
+    def run(steps: int, ckpt_path: str | None = None, checkpoint_dir: Path | None = None) -> tuple[TokenLM, Recorder]:
+        model = TokenLM(residual_net(num_blocks=6, seed=0), lr=0.02)
+        lcsb = LCSBCallback(policy, layers_per_step=2, seed=7)
+        recorder = Recorder(lcsb)
+        callbacks: list[Callback] = [lcsb, recorder]
+        if checkpoint_dir is not None:
+            callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_last=True, every_n_train_steps=4))
+        trainer = quiet_trainer(max_steps=steps, callbacks=callbacks, enable_checkpointing=checkpoint_dir is not None)
+        trainer.fit(model, token_batches(num_batches=4), ckpt_path=ckpt_path)
+        return model, recorder
+
+    full_model, full = run(12)
+    run(4, checkpoint_dir=tmp_path)
+    resumed_model, resumed = run(12, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.selections == full.selections[4:]
+    assert resumed_model.losses == full_model.losses[4:]
+
+
+def test_tensorboard_gets_scalars_and_selection_image(residual_net, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = TokenLM(residual_net(num_blocks=4))
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, log_every_n_steps=4)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    _fit(model, lcsb, steps=8, logger=logger, log_every_n_steps=1)
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0}).Reload()
+    assert "lcsb/num_selected" in events.Tags()["scalars"]
+    assert {f"lcsb/grad_norm/block_{i:02d}" for i in range(4)} <= set(events.Tags()["scalars"])
+    images = events.Images("lcsb/selection")
+    assert len(images) == 2 and images[0].height == 4 * 4 and images[0].width == 4 * 4
+
+
+def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
+    model = TokenLM(residual_net(num_blocks=2))
+    with pytest.warns(UserWarning, match="CSVLogger cannot log images"):
+        _fit(model, LCSBCallback("cyclic", layers_per_step=1, log_every_n_steps=2), steps=4,
+             logger=CSVLogger(tmp_path), log_every_n_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(policy="lisa", layers_per_step=1), ValueError, "Unknown policy 'lisa'; available: cyclic, freeze, full, grad_norm, random"),
+        (dict(layers_per_step=1, backward="approx"), ValueError, "`backward='approx'` is not supported; allowed: identity, exact"),
+        (dict(layers_per_step=1, momentum="adam"), ValueError, "`momentum='adam'` is not supported; allowed: implicit, skip, reset"),
+        (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
+        (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
+        (dict(layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),
+        (dict(), ValueError, "CyclicPolicy needs `layers_per_step=k` or `fraction=f`; got neither"),
+        (dict(policy=CyclicPolicy(layers_per_step=1), layers_per_step=2), ValueError, "carries its own size"),
+        (dict(policy=3), TypeError, "`policy` must be a name or a SelectionPolicy, got int"),
+        (dict(layers_per_step=1, log_every_n_steps=-1), ValueError, "`log_every_n_steps` must be an integer >= 0"),
+    ],
+)
+def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        LCSBCallback(**kwargs)
+
+
+def test_fit_time_errors(residual_net) -> None:
+    with pytest.raises(ValueError, match="`layers_per_step=5` exceeds the model's 4 blocks; allowed: 1..4"):
+        _fit(TokenLM(residual_net(num_blocks=4)), LCSBCallback(layers_per_step=5), steps=1)
+    frozen = residual_net(num_blocks=4)
+    frozen.stack.requires_grad_(False)
+    with pytest.raises(ValueError, match="No trainable parameter inside any of the 4 blocks"):
+        _fit(TokenLM(frozen), LCSBCallback(layers_per_step=1), steps=1)
+    model = TokenLM(residual_net(num_blocks=4), optimizer_from_requires_grad=False)
+    with pytest.raises(ValueError, match="16 trainable block parameters are in no optimizer param group"):
+        _fit(model, LCSBCallback(layers_per_step=1), steps=1)
+    assert all(p.requires_grad for p in model.model.stack.parameters())

@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import pytest
+
+from lcsb_lightning.policies import (
+    CyclicPolicy,
+    FreezePolicy,
+    FullPolicy,
+    GradNormPolicy,
+    RandomPolicy,
+    available_policies,
+    build_policy,
+)
+
+
+@pytest.mark.parametrize(("num_blocks", "k"), [(30, 7), (30, 8), (24, 6), (5, 5), (7, 1), (4, 3)])
+def test_cyclic_covers_every_block_once_per_cycle(num_blocks: int, k: int) -> None:
+    policy = CyclicPolicy(layers_per_step=k)
+    policy.setup(num_blocks)
+    groups = policy.num_groups
+    for cycle in range(3):
+        seen = [b for t in range(cycle * groups, (cycle + 1) * groups) for b in policy.select(t)]
+        assert sorted(seen) == list(range(num_blocks))
+    assert all(len(policy.select(t)) <= k for t in range(3 * groups, 4 * groups))
+    # consecutive groups
+    assert all(s == tuple(range(s[0], s[-1] + 1)) for s in (policy.select(t) for t in range(4 * groups, 5 * groups)))
+
+
+def test_cyclic_switch_every_and_fraction() -> None:
+    policy = CyclicPolicy(fraction=0.25, switch_every=3)
+    policy.setup(8)
+    assert policy.k == 2
+    assert [policy.select(t) for t in range(7)] == [(0, 1)] * 3 + [(2, 3)] * 3 + [(4, 5)]
+
+
+@pytest.mark.parametrize("reshuffle", [True, False])
+def test_random_is_reproducible_from_seed(reshuffle: bool) -> None:
+    def run(seed: int) -> list[tuple[int, ...]]:
+        policy = RandomPolicy(layers_per_step=3, seed=seed, reshuffle=reshuffle)
+        policy.setup(10)
+        return [policy.select(t) for t in range(20)]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+    sizes = {len(set(s)) for s in run(0)}
+    assert sizes == ({2, 3} if reshuffle else {3})  # reshuffle splits 10 blocks into groups 3, 3, 2, 2
+
+
+def test_random_reshuffle_covers_every_block_each_cycle() -> None:
+    policy = RandomPolicy(layers_per_step=3, seed=5, reshuffle=True)
+    policy.setup(10)
+    groups = policy.num_groups
+    cycles = [sorted(b for t in range(c * groups, (c + 1) * groups) for b in policy.select(t)) for c in range(5)]
+    assert all(c == list(range(10)) for c in cycles)
+
+
+@pytest.mark.parametrize("policy_name", ["random", "grad_norm", "cyclic"])
+def test_state_dict_round_trip_continues_the_sequence(policy_name: str) -> None:
+    def make():
+        p = build_policy(policy_name, layers_per_step=2, seed=3)
+        p.setup(7)
+        return p
+
+    reference, first = make(), make()
+    expected = []
+    for t in range(15):
+        expected.append(reference.select(t))
+        reference.observe({i: float(i * t % 5) for i in expected[-1]})
+    for t in range(6):
+        first.observe({i: float(i * t % 5) for i in first.select(t)})
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    got = expected[:6]
+    for t in range(6, 15):
+        got.append(resumed.select(t))
+        resumed.observe({i: float(i * t % 5) for i in got[-1]})
+    assert got == expected
+
+
+def test_grad_norm_prefers_high_norm_blocks_yet_respects_the_staleness_bound() -> None:
+    num_blocks, k = 12, 3
+    policy = GradNormPolicy(layers_per_step=k, exploration=0.05)
+    policy.setup(num_blocks)
+    norm = {i: (100.0 if i in (2, 7, 9) else 0.01) for i in range(num_blocks)}  # adversarial: 3 dominant blocks
+    last = {i: -1 for i in range(num_blocks)}
+    longest_gap, counts = 0, [0] * num_blocks
+    for t in range(400):
+        selected = policy.select(t)
+        for i in selected:
+            longest_gap = max(longest_gap, t - last[i])
+            last[i] = t
+            counts[i] += 1
+        policy.observe({i: norm[i] for i in selected})
+    longest_gap = max([longest_gap] + [400 - last[i] for i in range(num_blocks)])
+    assert longest_gap <= policy.staleness_bound
+    hot = min(counts[i] for i in (2, 7, 9))
+    cold = max(c for i, c in enumerate(counts) if i not in (2, 7, 9))
+    assert hot > 2 * cold
+
+
+def test_full_and_freeze() -> None:
+    full = FullPolicy()
+    full.setup(5)
+    assert full.select(0) == (0, 1, 2, 3, 4)
+    freeze = FreezePolicy(layers_per_step=2)
+    freeze.setup(5)
+    assert {freeze.select(t) for t in range(10)} == {(3, 4)}
+
+
+def test_registry_lists_every_policy() -> None:
+    assert available_policies() == ["cyclic", "freeze", "full", "grad_norm", "random"]
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, freeze"),
+        (lambda: CyclicPolicy(), "needs `layers_per_step=k` or `fraction=f`; got neither"),
+        (lambda: CyclicPolicy(layers_per_step=2, fraction=0.5), "Give only one of `layers_per_step` \\(2\\) and `fraction` \\(0.5\\)"),
+        (lambda: CyclicPolicy(layers_per_step=0), "`layers_per_step` must be an integer >= 1, got 0"),
+        (lambda: CyclicPolicy(fraction=1.5), "`fraction` must be in \\(0, 1\\], got 1.5"),
+        (lambda: CyclicPolicy(fraction=0.0), "`fraction` must be in \\(0, 1\\], got 0.0"),
+        (lambda: CyclicPolicy(layers_per_step=1, switch_every=0), "`switch_every` must be an integer >= 1"),
+        (lambda: GradNormPolicy(layers_per_step=1, ema_decay=1.0), "`ema_decay` must be in \\[0, 1\\)"),
+        (lambda: CyclicPolicy(layers_per_step=9).setup(8), "`layers_per_step=9` exceeds the model's 8 blocks; allowed: 1..8"),
+    ],
+)
+def test_policy_errors(factory, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        factory()
+
+
+def test_select_before_setup_and_backwards_fail() -> None:
+    policy = CyclicPolicy(layers_per_step=1)
+    with pytest.raises(RuntimeError, match="setup\\(num_blocks\\) must be called"):
+        policy.select(0)
+    policy.setup(3)
+    policy.select(5)
+    with pytest.raises(ValueError, match="went back in time"):
+        policy.select(2)
