@@ -1,0 +1,194 @@
+"""``apply_mebp``: compress a model's frozen Linears (and embeddings), install checkpointing/offload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from torch import nn
+
+from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
+from lcsb_lightning.mebp.checkpoint import install_block_wrappers, remove_block_wrappers
+from lcsb_lightning.mebp.formats import Packed, quantize, validate_format
+from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.offload import MmapOffload
+
+OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
+#: Attribute under which ``apply_mebp`` records what it did on the model.
+STATE_ATTR = "_mebp_state"
+
+
+@dataclass
+class MeBPState:
+    """What :func:`apply_mebp` installed on a model (``model._mebp_state``)."""
+
+    fmt: str
+    group_size: int
+    blocks: list[nn.Module]
+    layers: dict[str, nn.Module] = field(default_factory=dict)
+    offload: MmapOffload | None = None
+
+    def close(self) -> None:
+        """Remove the offload directory (the compressed layers stay)."""
+        if self.offload is not None:
+            self.offload.close()
+
+    def uninstall_wrappers(self) -> None:
+        remove_block_wrappers(self.blocks)
+
+
+def validate_args(fmt: str, group_size: int, checkpoint: bool, offload: str, ignore_modules: Iterable[str]) -> None:
+    """Check every argument of :func:`apply_mebp` / ``QuantizedMeBP`` (raises before any work)."""
+    validate_format(fmt, group_size)
+    if not isinstance(checkpoint, bool):
+        raise TypeError(f"`checkpoint` must be a bool, got {checkpoint!r}.")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"`offload={offload!r}` is not supported; choose one of {', '.join(map(repr, OFFLOAD_MODES))}.")
+    if isinstance(ignore_modules, str) or not all(isinstance(name, str) for name in ignore_modules):
+        raise TypeError(f"`ignore_modules` must be a collection of module names, got {ignore_modules!r}.")
+
+
+def _ignored(name: str, ignore_modules: Iterable[str]) -> bool:
+    return any(name == ignored or name.endswith("." + ignored) or name.startswith(ignored + ".") for ignored in ignore_modules)
+
+
+def _adapter_module_ids(model: nn.Module) -> set[int]:
+    """Modules inside peft adapter containers (LoRA A/B): never compressed."""
+    excluded: set[int] = set()
+    for module in model.modules():
+        for attr in getattr(module, "adapter_layer_names", ()):
+            container = getattr(module, attr, None)
+            if isinstance(container, nn.Module):
+                excluded.update(id(m) for m in container.modules())
+    return excluded
+
+
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    for module in model.modules():
+        base = unwrap_model(module)
+        get_in, get_out = getattr(base, "get_input_embeddings", None), getattr(base, "get_output_embeddings", None)
+        if callable(get_in) and callable(get_out):
+            try:
+                return get_in(), get_out()
+            except (NotImplementedError, AttributeError):
+                return None, None
+    return None, None
+
+
+def find_targets(
+    model: nn.Module, blocks: list[nn.Module], compress_embeddings: bool, ignore_modules: Iterable[str], group_size: int
+) -> dict[str, nn.Module]:
+    """Qualified names of the modules to compress; raises on a ``group_size`` that does not fit one."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    excluded = _adapter_module_ids(model)
+    targets: dict[str, nn.Module] = {}
+    for block in blocks:
+        for module in block.modules():
+            if type(module) is nn.Linear and id(module) not in excluded:
+                targets[names[id(module)]] = module
+    if compress_embeddings:
+        for module in _embeddings(model):
+            if type(module) in (nn.Linear, nn.Embedding) and id(module) not in excluded and id(module) in names:
+                targets[names[id(module)]] = module
+    targets = {name: m for name, m in targets.items() if not _ignored(name, ignore_modules)}
+    for name, module in targets.items():
+        width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
+        if width % group_size:
+            raise ValueError(
+                f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
+                f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to `ignore_modules`."
+            )
+    return targets
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, group_size: int) -> dict[str, nn.Module]:
+    """Replace each target by its compressed twin; tied weights share one compressed copy."""
+    shared: dict[int, Packed] = {}
+    done: dict[str, nn.Module] = {}
+    for name, module in targets.items():
+        key = id(module.weight)
+        if key not in shared:
+            shared[key] = quantize(module.weight, fmt, group_size)
+        packed = shared[key]
+        if isinstance(module, nn.Embedding):
+            new: nn.Module = CompressedEmbedding.from_embedding(module, fmt, group_size, packed=packed)
+        else:
+            new = CompressedLinear.from_linear(module, fmt, group_size, packed=packed)
+        _set_module(model, name, new)
+        done[name] = new
+    return done
+
+
+def apply_mebp(
+    model: nn.Module,
+    fmt: str = "nf4",
+    group_size: int = 64,
+    checkpoint: bool = True,
+    offload: str = "none",
+    compress_embeddings: bool = True,
+    ignore_modules: Iterable[str] = (),
+    *,
+    blocks: BlocksSpec = "auto",
+    offload_dir: str | None = None,
+) -> nn.Module:
+    """Convert ``model`` in place to MeBP training form and return it.
+
+    Every ``nn.Linear`` inside the transformer blocks (peft LoRA A/B excepted) and, with
+    ``compress_embeddings``, the input embedding and LM head (tied or not) become 4-bit frozen layers
+    that decompress their weight only while they run. With ``checkpoint`` each block is recomputed
+    in backward; ``offload="mmap"`` writes the blocks' saved tensors to memory-mapped files.
+
+    Args:
+        model: A Hugging Face causal LM (optionally peft-wrapped), or any module holding one.
+        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        group_size: Weights per scale; must divide every converted layer's input features.
+        checkpoint: Per-block non-reentrant gradient checkpointing.
+        offload: ``"none"`` or ``"mmap"``.
+        compress_embeddings: Also compress the input embedding and LM head.
+        ignore_modules: Module names (qualified, or a trailing part such as ``"lm_head"``) to keep as is.
+        blocks: How to find the blocks (see :func:`lcsb_lightning.blocks.find_blocks`).
+        offload_dir: Parent of the temporary offload directory.
+
+    Raises:
+        ValueError: unknown ``fmt``/``offload``, or ``group_size`` not dividing a layer's inputs.
+        ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
+        TypeError: nothing to convert.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                      num_attention_heads=4, vocab_size=128)
+        >>> model = apply_mebp(LlamaForCausalLM(config), fmt="int4", group_size=32)
+        >>> type(model.model.layers[0].mlp.up_proj).__name__
+        'CompressedLinear'
+    """
+    validate_args(fmt, group_size, checkpoint, offload, ignore_modules)
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__}.")
+    found = find_blocks(model, blocks)
+    targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
+    if not targets:
+        raise TypeError(
+            f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
+            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={tuple(ignore_modules)!r}`)."
+        )
+    state = MeBPState(fmt, group_size, found)
+    state.layers = compress_modules(model, targets, fmt, group_size)
+    if offload == "mmap":
+        state.offload = MmapOffload(offload_dir)
+    if checkpoint or state.offload is not None:
+        install_block_wrappers(found, checkpoint, state.offload.hooks if state.offload is not None else None)
+    object.__setattr__(model, STATE_ATTR, state)
+    return model
+
+
+def mebp_state(model: nn.Module) -> MeBPState | None:
+    """The :class:`MeBPState` of a model converted by :func:`apply_mebp`, if any."""
+    return getattr(model, STATE_ATTR, None)

@@ -1,0 +1,204 @@
+"""Compressed frozen ``Linear`` and ``Embedding`` layers that decompress their weight only while they run.
+
+The weight lives as 4-bit codes (``weight``, uint8) and scales (``scales``, float32). A forward call
+decompresses it, multiplies and drops it; the backward pass decompresses it again to form the input
+gradient. Inside a checkpointed block the recompute decompresses once and that copy serves the block's
+backward, so a back-propagated block costs one backward decompression per layer and a block skipped
+by LCSB costs none. Layers wider than ``max_chunk_elements`` are processed in row chunks so that
+a 150k-row LM head never exists decompressed in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lcsb_lightning.mebp.formats import Packed, dequantize, quantize, select_rows
+from lcsb_lightning.mebp.stats import checkpointed, recomputing, time_decompress
+
+#: Default largest number of weights decompressed at once (64 MiB in float32).
+MAX_CHUNK_ELEMENTS = 1 << 24
+
+
+class _CompressedLinearFn(torch.autograd.Function):
+    """``y = x W^T + b`` with ``W`` decompressed on the fly; only the input (and bias) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layer: CompressedLinear) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.has_bias = bias is not None
+        phase = "backward" if recomputing() else "forward"
+        chunks = layer.row_chunks()
+        if len(chunks) == 1:
+            weight = layer.decompress(x.dtype, phase)
+            out = F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
+            # Inside a checkpoint the saved weight is discarded in forward and kept from the recompute
+            # for this block's backward only; outside one nothing decompressed outlives the call.
+            keep = checkpointed()
+            ctx.save_for_backward(weight if keep else None)
+            return out
+        ctx.save_for_backward(None)
+        out = x.new_empty(*x.shape[:-1], layer.out_features)
+        with time_decompress(phase, x.device):
+            for rows in chunks:
+                part = dequantize(layer.packed(rows), layer.fmt, layer.group_size, x.dtype)
+                out[..., rows] = F.linear(x, part, bias[rows].to(x.dtype) if bias is not None else None)
+        layer.decompress_count[phase] += 1
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        layer: CompressedLinear = ctx.layer
+        (weight,) = ctx.saved_tensors
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            chunks = layer.row_chunks()
+            if weight is not None:
+                grad_in = grad_out.matmul(weight.to(grad_out.dtype))
+            elif len(chunks) == 1:
+                grad_in = grad_out.matmul(layer.decompress(grad_out.dtype, "backward"))
+            else:
+                grad_in = None
+                with time_decompress("backward", grad_out.device):
+                    for rows in chunks:
+                        part = dequantize(layer.packed(rows), layer.fmt, layer.group_size, grad_out.dtype)
+                        term = grad_out[..., rows].matmul(part)
+                        grad_in = term if grad_in is None else grad_in.add_(term)
+                layer.decompress_count["backward"] += 1
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_in, grad_bias, None
+
+
+class _CompressedWeight:
+    """Shared plumbing of the compressed layers (buffers ``weight`` = codes and ``scales``)."""
+
+    fmt: str
+    group_size: int
+    weight: torch.Tensor
+    scales: torch.Tensor
+    decompress_count: dict[str, int]
+
+    def packed(self, rows: torch.Tensor | slice | None = None) -> Packed:
+        full = Packed(self.weight, self.scales)
+        return full if rows is None else select_rows(full, rows)
+
+    def decompress(self, dtype: torch.dtype = torch.float32, phase: str = "forward") -> torch.Tensor:
+        """The full float weight (counted and timed as a ``phase`` decompression)."""
+        with time_decompress(phase, self.weight.device):
+            out = dequantize(self.packed(), self.fmt, self.group_size, dtype)
+        self.decompress_count[phase] += 1
+        return out
+
+    def compressed_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+class CompressedLinear(_CompressedWeight, nn.Linear):
+    """A frozen ``nn.Linear`` stored in 4 bits (also usable as peft LoRA's ``base_layer``).
+
+    It subclasses ``nn.Linear`` so that peft wraps it like any Linear; its ``weight`` is the uint8
+    code tensor (as for bitsandbytes' ``Linear4bit``), so peft keeps LoRA weights in float.
+
+    Example::
+
+        >>> layer = CompressedLinear.from_linear(nn.Linear(64, 8), fmt="int4", group_size=32)
+        >>> layer(torch.randn(2, 64)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        packed: Packed,
+        bias: torch.Tensor | None,
+        fmt: str,
+        group_size: int,
+        max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.group_size = group_size
+        self.max_chunk_elements = max_chunk_elements
+        self.register_buffer("weight", packed.codes)
+        self.register_buffer("scales", packed.scales)
+        self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        self.decompress_count = {"forward": 0, "backward": 0}
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, fmt: str, group_size: int, packed: Packed | None = None
+    ) -> CompressedLinear:
+        """Compress ``linear`` (pass ``packed`` to share codes with a tied embedding)."""
+        if packed is None:
+            packed = quantize(linear.weight, fmt, group_size)
+        return cls(linear.in_features, linear.out_features, packed, linear.bias, fmt, group_size)
+
+    def reset_parameters(self) -> None:  # nn.Linear API; the compressed weight is frozen
+        return None
+
+    def row_chunks(self) -> list[slice]:
+        step = max(1, self.max_chunk_elements // self.in_features)
+        return [slice(start, min(start + step, self.out_features)) for start in range(0, self.out_features, step)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CompressedLinearFn.apply(x, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, group_size={self.group_size}"
+
+
+class CompressedEmbedding(_CompressedWeight, nn.Module):
+    """A frozen ``nn.Embedding`` stored in 4 bits; a lookup decompresses only the looked-up rows.
+
+    Example::
+
+        >>> emb = CompressedEmbedding.from_embedding(nn.Embedding(10, 64), fmt="int4", group_size=32)
+        >>> emb(torch.tensor([[1, 2]])).shape
+        torch.Size([1, 2, 64])
+    """
+
+    def __init__(
+        self,
+        packed: Packed,
+        fmt: str,
+        group_size: int,
+        padding_idx: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.num_embeddings, half = packed.codes.shape
+        self.embedding_dim = half * 2
+        self.padding_idx = padding_idx
+        self.fmt = fmt
+        self.group_size = group_size
+        self.register_buffer("weight", packed.codes)
+        self.register_buffer("scales", packed.scales)
+        self.decompress_count = {"forward": 0, "backward": 0}
+
+    @classmethod
+    def from_embedding(
+        cls, embedding: nn.Embedding, fmt: str, group_size: int, packed: Packed | None = None
+    ) -> CompressedEmbedding:
+        if packed is None:
+            packed = quantize(embedding.weight, fmt, group_size)
+        dtype = embedding.weight.dtype if embedding.weight.is_floating_point() else torch.float32
+        return cls(packed, fmt, group_size, embedding.padding_idx, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        with time_decompress("forward", self.weight.device):
+            rows = dequantize(self.packed(flat), self.fmt, self.group_size, self.dtype)
+        self.decompress_count["forward"] += 1
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}, group_size={self.group_size}"

@@ -1,0 +1,122 @@
+"""Saved-tensor offload to memory-mapped files (MeBP's ``offload="mmap"``).
+
+Inside :meth:`MmapOffload.hooks`, every tensor autograd saves that is larger than ``min_bytes`` (with
+checkpointing: a block's checkpoint inputs) is written to its own file in a private temporary
+directory and only a small handle stays in memory. Backward maps the file back read-only-private
+(:func:`torch.from_file`). A file is deleted as soon as autograd frees its handle (after backward,
+or when a failed step's graph is dropped); :meth:`MmapOffload.close` removes the directory and runs
+on ``teardown``, at interpreter exit and when the object is collected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class _OnDisk:
+    """Handle of one offloaded tensor; its file is removed when the handle is collected."""
+
+    __slots__ = ("path", "dtype", "shape", "device", "nbytes", "__weakref__")
+
+    def __init__(self, path: str, tensor: torch.Tensor) -> None:
+        self.path = path
+        self.dtype = tensor.dtype
+        self.shape = tensor.shape
+        self.device = tensor.device
+        self.nbytes = tensor.numel() * tensor.element_size()
+        flat = tensor.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        with open(path, "wb") as handle:
+            flat.contiguous().view(torch.uint8).numpy().tofile(handle)
+        weakref.finalize(self, _unlink, path)
+
+    def load(self) -> torch.Tensor:
+        data = torch.from_file(self.path, shared=False, size=self.nbytes, dtype=torch.uint8)
+        return data.view(self.dtype).reshape(self.shape).to(self.device)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class MmapOffload:
+    """Writes saved activations to memory-mapped files in a temporary directory.
+
+    Args:
+        parent_dir: Where the temporary directory is created (default: the system temp dir; prefer
+            a local SSD).
+        min_bytes: Tensors smaller than this stay in RAM.
+
+    Example::
+
+        >>> offload = MmapOffload()
+        >>> x = torch.randn(256, 256, requires_grad=True)
+        >>> with offload.hooks():
+        ...     y = (x * x).sum()
+        >>> y.backward()
+        >>> offload.close()
+    """
+
+    def __init__(self, parent_dir: str | None = None, min_bytes: int = 1 << 16) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"`min_bytes` must be >= 0, got {min_bytes}.")
+        self.min_bytes = min_bytes
+        self.parent_dir = parent_dir
+        self._counter = itertools.count()
+        self.bytes_written = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="lcsb_mebp_", dir=self.parent_dir)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        atexit.register(self._finalizer)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        if isinstance(tensor, nn.Parameter) or nbytes < self.min_bytes or tensor.layout != torch.strided:
+            return tensor
+        if self.closed:  # reused after close() (a second fit): new directory, new finalizer
+            self._open()
+        elif not os.path.isdir(self.path):
+            os.makedirs(self.path, exist_ok=True)
+        self.bytes_written += nbytes
+        return _OnDisk(os.path.join(self.path, f"{next(self._counter)}.bin"), tensor)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.load() if isinstance(packed, _OnDisk) else packed
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Context under which saved tensors go to disk."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def files(self) -> list[str]:
+        """Offload files currently on disk."""
+        return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
+
+    def clear(self) -> None:
+        """Delete every offload file (call after a step whose graph is gone)."""
+        for name in self.files():
+            _unlink(os.path.join(self.path, name))
+
+    def close(self) -> None:
+        """Remove the temporary directory; idempotent (a later offload opens a new one)."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)

@@ -1,0 +1,127 @@
+"""``QuantizedMeBP``: the Lightning ``Precision`` plugin around :func:`apply_mebp`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Generator, Iterable
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lcsb_lightning.mebp.convert import apply_mebp, mebp_state, validate_args
+from lcsb_lightning.mebp.stats import STATS
+
+
+class QuantizedMeBP(Precision):
+    """Memory-efficient backprop (MeBP) on 4-bit frozen weights, as a Trainer plugin.
+
+    ``convert_module`` compresses the frozen Linears of the transformer blocks (and with
+    ``compress_embeddings`` the input embedding and LM head) to ``fmt``, installs per-block
+    checkpointing and the optional mmap offload; computation stays float32. Conversion happens in
+    ``Trainer.fit`` before the strategy wraps the model, so it works with single-device and DDP
+    strategies alike. Composes with ``LCSBCallback``: a block LCSB skips is neither recomputed nor
+    decompressed in backward.
+
+    Per optimizer step it logs ``mebp/decompress_fwd_ms``, ``mebp/decompress_bwd_ms`` (including the
+    recompute's decompressions), ``mebp/recompute_ms``, ``mebp/backward_ms`` and
+    ``mebp/decompress_share_bwd`` to the Trainer's loggers every ``log_every_n_steps``; the latest
+    values are in :attr:`last_metrics`.
+
+    Args:
+        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        group_size: Weights per scale.
+        checkpoint: Per-block non-reentrant gradient checkpointing.
+        offload: ``"none"`` or ``"mmap"``.
+        compress_embeddings: Also compress the input embedding and LM head.
+        ignore_modules: Module names to keep uncompressed.
+        offload_dir: Parent directory of the temporary offload directory.
+
+    Example::
+
+        >>> plugin = QuantizedMeBP(fmt="int4", group_size=64)
+        >>> # trainer = Trainer(plugins=[plugin]); trainer.fit(lora_module)
+    """
+
+    precision = "32-true"
+
+    def __init__(
+        self,
+        fmt: str = "nf4",
+        group_size: int = 64,
+        checkpoint: bool = True,
+        offload: str = "none",
+        compress_embeddings: bool = True,
+        ignore_modules: Iterable[str] = (),
+        offload_dir: str | None = None,
+    ) -> None:
+        ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
+        validate_args(fmt, group_size, checkpoint, offload, ignore_modules)
+        self.fmt = fmt
+        self.group_size = group_size
+        self.checkpoint = checkpoint
+        self.offload = offload
+        self.compress_embeddings = compress_embeddings
+        self.ignore_modules = ignore_modules
+        self.offload_dir = offload_dir
+        self._module: nn.Module | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Compress ``module`` in place (a no-op on a model already converted or loaded compressed)."""
+        if mebp_state(module) is None:
+            apply_mebp(
+                module,
+                fmt=self.fmt,
+                group_size=self.group_size,
+                checkpoint=self.checkpoint,
+                offload=self.offload,
+                compress_embeddings=self.compress_embeddings,
+                ignore_modules=self.ignore_modules,
+                offload_dir=self.offload_dir,
+            )
+        self._module = module
+        STATS.reset()
+        return module
+
+    @property
+    def offload_path(self) -> str | None:
+        """The current offload directory (``None`` without ``offload="mmap"``)."""
+        state = mebp_state(self._module) if self._module is not None else None
+        return state.offload.path if state is not None and state.offload is not None else None
+
+    @contextlib.contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        enabled, STATS.enabled = STATS.enabled, False
+        try:
+            with super().val_step_context():
+                yield
+        finally:
+            STATS.enabled = enabled
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+        finally:
+            if tensor.device.type == "cuda":
+                torch.cuda.synchronize(tensor.device)
+            STATS.backward_ms += (time.perf_counter() - start) * 1e3
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, model, closure, **kwargs)
+        self.last_metrics = STATS.as_dict()
+        STATS.reset()
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last_metrics, step=trainer.global_step)
+        return output
+
+    def teardown(self) -> None:
+        """Remove the offload directory (end of fit, exception or KeyboardInterrupt)."""
+        state = mebp_state(self._module) if self._module is not None else None
+        if state is not None:
+            state.close()
+        super().teardown()

@@ -1,0 +1,118 @@
+"""Process-wide decompression and recompute timers (plain Python, read by the plugin and the benchmark).
+
+Decompression happens either in the forward pass (``"forward"``) or while autograd runs the backward
+pass (``"backward"``: the compressed Linear's input-gradient, and every decompression inside a
+checkpoint recompute). Recompute time is the wall time of the recomputed block forwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+_state = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed block is being recomputed in backward on this thread."""
+    return getattr(_state, "recompute_depth", 0) > 0
+
+
+def checkpointed() -> bool:
+    """Whether the code runs inside a checkpointed block (its first forward or its recompute)."""
+    return getattr(_state, "checkpoint_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def checkpoint_scope(recompute: bool) -> Iterator[None]:
+    """Mark the enclosed code as a checkpointed block's forward, or its backward recompute."""
+    _state.checkpoint_depth = getattr(_state, "checkpoint_depth", 0) + 1
+    _state.recompute_depth = getattr(_state, "recompute_depth", 0) + int(recompute)
+    try:
+        yield
+    finally:
+        _state.checkpoint_depth -= 1
+        _state.recompute_depth -= int(recompute)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class MeBPStats:
+    """Milliseconds and counts accumulated since the last :meth:`reset`.
+
+    Example::
+
+        >>> stats = MeBPStats()
+        >>> stats.add_decompress("forward", 1.5)
+        >>> stats.as_dict()["mebp/decompress_fwd_ms"]
+        1.5
+    """
+
+    decompress_ms: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
+    decompress_count: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    recompute_ms: float = 0.0
+    backward_ms: float = 0.0
+    enabled: bool = True
+
+    def reset(self) -> None:
+        for key in self.decompress_ms:
+            self.decompress_ms[key] = 0.0
+            self.decompress_count[key] = 0
+        self.recompute_ms = 0.0
+        self.backward_ms = 0.0
+
+    def add_decompress(self, phase: str, ms: float) -> None:
+        self.decompress_ms[phase] += ms
+        self.decompress_count[phase] += 1
+
+    @contextlib.contextmanager
+    def time_recompute(self, device: torch.device) -> Iterator[None]:
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(device)
+            self.recompute_ms += (time.perf_counter() - start) * 1e3
+
+    def as_dict(self) -> dict[str, float]:
+        """Metrics named ``mebp/...``; ``decompress_share_bwd`` only once a backward was timed."""
+        out = {
+            "mebp/decompress_fwd_ms": self.decompress_ms["forward"],
+            "mebp/decompress_bwd_ms": self.decompress_ms["backward"],
+            "mebp/decompress_fwd_count": float(self.decompress_count["forward"]),
+            "mebp/decompress_bwd_count": float(self.decompress_count["backward"]),
+            "mebp/recompute_ms": self.recompute_ms,
+        }
+        if self.backward_ms > 0:
+            out["mebp/backward_ms"] = self.backward_ms
+            out["mebp/decompress_share_bwd"] = self.decompress_ms["backward"] / self.backward_ms
+        return out
+
+
+#: The process-wide instance every compressed layer reports to.
+STATS = MeBPStats()
+
+
+@contextlib.contextmanager
+def time_decompress(phase: str, device: torch.device) -> Iterator[None]:
+    """Time a decompression into :data:`STATS` (a no-op when ``STATS.enabled`` is False)."""
+    if not STATS.enabled:
+        yield
+        return
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _sync(device)
+        STATS.add_decompress(phase, (time.perf_counter() - start) * 1e3)
