@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # Heavier pieces load on first use so that the core import stays light.
 _LAZY = {
     "LCSBCallback": "lcsb_lightning.callback",
+    "LCSBController": "lcsb_lightning.controller",
     "SelectionPolicy": "lcsb_lightning.policies",
     "build_policy": "lcsb_lightning.policies",
     "QuantizedMeBP": "lcsb_lightning.mebp",

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 
-from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norm, map_trainable_params
+from lcsb_lightning.blocks import BlocksSpec
+from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.selection_image import selection_image
-from lcsb_lightning.selective import SelectiveBackprop
-
-BACKWARD_MODES = ("identity", "exact")
-MOMENTUM_MODES = ("implicit", "skip", "reset")
 
 
 class LCSBCallback(Callback):
@@ -68,10 +64,7 @@ class LCSBCallback(Callback):
         seed: int = 0,
         log_every_n_steps: int = 50,
     ) -> None:
-        if backward not in BACKWARD_MODES:
-            raise ValueError(f"`backward={backward!r}` is not supported; allowed: {', '.join(BACKWARD_MODES)}.")
-        if momentum not in MOMENTUM_MODES:
-            raise ValueError(f"`momentum={momentum!r}` is not supported; allowed: {', '.join(MOMENTUM_MODES)}.")
+        validate_modes(backward, momentum)
         if isinstance(log_every_n_steps, bool) or int(log_every_n_steps) != log_every_n_steps or log_every_n_steps < 0:
             raise ValueError(f"`log_every_n_steps` must be an integer >= 0, got {log_every_n_steps!r}.")
         if isinstance(policy, SelectionPolicy):
@@ -91,43 +84,44 @@ class LCSBCallback(Callback):
             raise TypeError(f"`policy` must be a name or a SelectionPolicy, got {type(policy).__name__}.")
         self.backward, self.momentum, self.blocks = backward, momentum, blocks
         self.log_every_n_steps = int(log_every_n_steps)
-
-        self.selection: tuple[int, ...] = ()
-        self.selection_counts: list[int] = []
-        self._selected_at_step = -1
-        self._observed_at_step = -1
+        self.controller: LCSBController | None = None
         self._history: list[tuple[int, ...]] = []
         self._pending_state: dict[str, Any] | None = None
-        self._block_params: BlockParams | None = None
-        self._selective: SelectiveBackprop | None = None
         self._image_unsupported_reported = False
 
-    # ------------------------------------------------------------------------------ setup & teardown
     @property
     def state_key(self) -> str:
         return self._generate_state_key(policy=type(self.policy).__name__, backward=self.backward)
 
     @property
     def num_blocks(self) -> int:
-        return 0 if self._block_params is None else self._block_params.num_blocks
+        return 0 if self.controller is None else self.controller.num_blocks
 
+    @property
+    def selection(self) -> tuple[int, ...]:
+        """Blocks back-propagated at the current optimizer step."""
+        return () if self.controller is None else self.controller.selection
+
+    @property
+    def selection_counts(self) -> list[int]:
+        """How many optimizer steps each block has trained in this fit."""
+        return [] if self.controller is None else list(self.controller.selection_counts)
+
+    # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._release()
-        self._block_params = map_trainable_params(pl_module, self.blocks)
-        self.policy.setup(self._block_params.num_blocks)
-        self.selection_counts = [0] * self._block_params.num_blocks
-        self._selected_at_step, self._observed_at_step, self.selection, self._history = -1, -1, (), []
+        self.controller = LCSBController(pl_module, self.policy, self.backward, self.momentum, self.blocks)
+        self._history = []
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-        if self.backward == "identity":
-            self._selective = SelectiveBackprop(self._block_params.blocks)
-        if self._block_params.outside:
+        outside = self.controller.block_params.outside
+        if outside:
             rank_zero_info(
-                f"LCSB leaves {len(self._block_params.outside)} trainable parameters outside the blocks "
-                f"always trained (e.g. {', '.join(self._block_params.outside[:3])})."
+                f"LCSB leaves {len(outside)} trainable parameters outside the blocks always trained "
+                f"(e.g. {', '.join(outside[:3])})."
             )
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} blocks, k={self.policy.k}, "
@@ -135,14 +129,8 @@ class LCSBCallback(Callback):
         )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        assert self._block_params is not None
-        in_optimizer = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
-        missing = [
-            name
-            for names, params in zip(self._block_params.names_per_block, self._block_params.params_per_block)
-            for name, p in zip(names, params)
-            if id(p) not in in_optimizer
-        ]
+        assert self.controller is not None
+        missing = self.controller.missing_from(trainer.optimizers)
         if missing:
             raise ValueError(
                 f"{len(missing)} trainable block parameters are in no optimizer param group "
@@ -159,64 +147,28 @@ class LCSBCallback(Callback):
         self._release()
 
     def _release(self) -> None:
-        """Leave the model as found: every managed parameter trainable, original forwards back."""
-        if self._block_params is not None:
-            for p in self._block_params.all_block_params():
-                p.requires_grad_(True)
-        if self._selective is not None:
-            self._selective.remove()
-            self._selective = None
+        if self.controller is not None:
+            self.controller.release()
 
     # ---------------------------------------------------------------------------------- the step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step  # counts optimizer steps: constant across an accumulation window
-        if step == self._selected_at_step:
+        assert self.controller is not None
+        # global_step counts optimizer steps, so it is constant across an accumulation window
+        selection = self.controller.begin_step(trainer.global_step, trainer.optimizers)
+        if selection is None:
             return
-        previous, selection = self.selection, self.policy.select(step)
-        self._apply_selection(trainer, previous, selection)
-        self.selection, self._selected_at_step = selection, step
-        for i in selection:
-            self.selection_counts[i] += 1
         self._history.append(selection)
         pl_module.log("lcsb/num_selected", float(len(selection)), on_step=True, on_epoch=False)
         if self.log_every_n_steps and len(self._history) >= self.log_every_n_steps:
-            self._log_selection_image(trainer, step)
-
-    def _apply_selection(self, trainer: Trainer, previous: tuple[int, ...], selection: tuple[int, ...]) -> None:
-        assert self._block_params is not None
-        chosen = set(selection)
-        for index, params in enumerate(self._block_params.params_per_block):
-            for p in params:
-                p.requires_grad_(index in chosen)
-        if self._selective is not None:
-            self._selective.set_selection(selection)
-        if self.momentum == "reset":
-            for index in set(previous) - chosen:
-                for p in self._block_params.params_per_block[index]:
-                    for optimizer in trainer.optimizers:
-                        optimizer.state.pop(p, None)
+            self._log_selection_image(trainer, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        assert self._block_params is not None
-        if self._observed_at_step != trainer.global_step:  # once per step, even with several optimizers
-            self._observed_at_step = trainer.global_step
-            norms = {i: grad_norm(self._block_params.params_per_block[i]) for i in self.selection}
-            self.policy.observe(norms)
+        assert self.controller is not None
+        norms = self.controller.before_optimizer_step(optimizer)
+        if norms is not None:
             pl_module.log_dict(
                 {f"lcsb/grad_norm/block_{i:02d}": v for i, v in norms.items()}, on_step=True, on_epoch=False
             )
-        chosen = set(self.selection)
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for index, params in enumerate(self._block_params.params_per_block):
-            if index in chosen:
-                continue
-            for p in params:
-                if id(p) not in in_optimizer:
-                    continue
-                if self.momentum == "implicit":
-                    p.grad = torch.zeros_like(p)
-                else:
-                    p.grad = None
 
     @rank_zero_only
     def _log_selection_image(self, trainer: Trainer, step: int) -> None:
@@ -234,25 +186,17 @@ class LCSBCallback(Callback):
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy.state_dict(),
-            "selection": list(self.selection),
-            "selected_at_step": self._selected_at_step,
-            "observed_at_step": self._observed_at_step,
-            "selection_counts": list(self.selection_counts),
-            "history": [list(s) for s in self._history],
-        }
+        if self.controller is None:
+            return dict(self._pending_state or {})
+        return {**self.controller.state_dict(), "history": [list(s) for s in self._history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.policy.num_blocks == 0:  # restored before setup: apply once the model is known
+        if self.controller is None:  # restored before setup: apply once the model is known
             self._pending_state = state_dict
         else:
             self._apply_state(state_dict)
 
     def _apply_state(self, state: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.selection = tuple(state["selection"])
-        self._selected_at_step = int(state["selected_at_step"])
-        self._observed_at_step = int(state["observed_at_step"])
-        self.selection_counts = list(state["selection_counts"])
+        assert self.controller is not None
+        self.controller.load_state_dict(state)
         self._history = [tuple(s) for s in state["history"]]

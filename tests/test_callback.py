@@ -27,7 +27,7 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.selections.append(self.lcsb.selection)
-        block0 = self.lcsb._block_params.params_per_block[0]
+        block0 = self.lcsb.controller.block_params.params_per_block[0]
         self.block0.append(torch.cat([p.detach().flatten() for p in block0]).clone())
 
 

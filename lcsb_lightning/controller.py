@@ -1,0 +1,135 @@
+"""Plain-torch LCSB step logic, driven by ``LCSBCallback`` or by a hand-written training loop."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norm, map_trainable_params
+from lcsb_lightning.policies import SelectionPolicy
+from lcsb_lightning.selective import SelectiveBackprop
+
+BACKWARD_MODES = ("identity", "exact")
+MOMENTUM_MODES = ("implicit", "skip", "reset")
+
+
+def validate_modes(backward: str, momentum: str) -> None:
+    """Raise if ``backward`` or ``momentum`` is not a supported mode name."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"`backward={backward!r}` is not supported; allowed: {', '.join(BACKWARD_MODES)}.")
+    if momentum not in MOMENTUM_MODES:
+        raise ValueError(f"`momentum={momentum!r}` is not supported; allowed: {', '.join(MOMENTUM_MODES)}.")
+
+
+class LCSBController:
+    """Selects blocks per optimizer step and prepares parameters and gradients accordingly.
+
+    Call :meth:`begin_step` before the forward pass of each optimizer step (repeat calls with the
+    same step are no-ops, as under gradient accumulation) and :meth:`before_optimizer_step` after
+    backward and gradient synchronisation. :meth:`release` restores the model.
+
+    Example::
+
+        >>> from torch import nn
+        >>> from lcsb_lightning.policies import CyclicPolicy
+        >>> net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
+        >>> opt = torch.optim.AdamW(net[1].parameters())
+        >>> ctl = LCSBController(net, CyclicPolicy(layers_per_step=2), momentum="implicit")
+        >>> ctl.begin_step(0, [opt])
+        (0, 1)
+        >>> ctl.release()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: SelectionPolicy,
+        backward: str = "identity",
+        momentum: str = "implicit",
+        blocks: BlocksSpec = "auto",
+    ) -> None:
+        validate_modes(backward, momentum)
+        self.policy, self.backward, self.momentum = policy, backward, momentum
+        self.block_params: BlockParams = map_trainable_params(model, blocks)
+        policy.setup(self.block_params.num_blocks)
+        self.selection: tuple[int, ...] = ()
+        self.selection_counts = [0] * self.block_params.num_blocks
+        self.selected_at_step = -1
+        self.observed_at_step = -1
+        self.selective = SelectiveBackprop(self.block_params.blocks) if backward == "identity" else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_params.num_blocks
+
+    def missing_from(self, optimizers: Sequence[Optimizer]) -> list[str]:
+        """Names of managed parameters that are in no param group of ``optimizers``."""
+        present = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        names = zip(self.block_params.names_per_block, self.block_params.params_per_block)
+        return [name for block_names, params in names for name, p in zip(block_names, params) if id(p) not in present]
+
+    def begin_step(self, step: int, optimizers: Sequence[Optimizer]) -> tuple[int, ...] | None:
+        """Select the blocks of optimizer step ``step``; returns the new selection, ``None`` if unchanged."""
+        if step == self.selected_at_step:
+            return None
+        previous, selection = self.selection, self.policy.select(step)
+        chosen = set(selection)
+        for index, params in enumerate(self.block_params.params_per_block):
+            for p in params:
+                p.requires_grad_(index in chosen)
+        if self.selective is not None:
+            self.selective.set_selection(selection)
+        if self.momentum == "reset":
+            for index in set(previous) - chosen:
+                for p in self.block_params.params_per_block[index]:
+                    for optimizer in optimizers:
+                        optimizer.state.pop(p, None)
+        for i in selection:
+            self.selection_counts[i] += 1
+        self.selection, self.selected_at_step = selection, step
+        return selection
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
+        """Feed the policy the selected blocks' gradient norms (once per step; returned, else ``None``),
+        then give non-selected parameters a zero gradient (``implicit``) or none (``skip``/``reset``)."""
+        norms = None
+        if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
+            self.observed_at_step = self.selected_at_step
+            norms = {i: grad_norm(self.block_params.params_per_block[i]) for i in self.selection}
+            self.policy.observe(norms)
+        chosen = set(self.selection)
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for index, params in enumerate(self.block_params.params_per_block):
+            if index in chosen:
+                continue
+            for p in params:
+                if id(p) in in_optimizer:
+                    p.grad = torch.zeros_like(p) if self.momentum == "implicit" else None
+        return norms
+
+    def release(self) -> None:
+        """Leave the model as found: every managed parameter trainable, original forwards back."""
+        for p in self.block_params.all_block_params():
+            p.requires_grad_(True)
+        if self.selective is not None:
+            self.selective.remove()
+            self.selective = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.state_dict(),
+            "selection": list(self.selection),
+            "selected_at_step": self.selected_at_step,
+            "observed_at_step": self.observed_at_step,
+            "selection_counts": list(self.selection_counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.selection = tuple(state["selection"])
+        self.selected_at_step = int(state["selected_at_step"])
+        self.observed_at_step = int(state["observed_at_step"])
+        self.selection_counts = list(state["selection_counts"])

@@ -1,0 +1,24 @@
+"""The docstring examples of the core modules run as written."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "lcsb_lightning.blocks",
+    "lcsb_lightning.selective",
+    "lcsb_lightning.controller",
+    "lcsb_lightning.selection_image",
+    "lcsb_lightning.policies.simple",
+    "lcsb_lightning.policies.stochastic",
+]
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_docstring_examples(module_name: str) -> None:
+    result = doctest.testmod(importlib.import_module(module_name), raise_on_error=False)
+    assert result.attempted > 0, f"{module_name} has no runnable example"
+    assert result.failed == 0
