@@ -1,0 +1,169 @@
+"""Reading task files (text, JSON lines, TSV/CSV) with errors that say what was expected and what was seen."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DATA_HINT = (
+    "the presets read ${data_dir} (default ../shared/data relative to the repository root); pass "
+    "data_dir=/path/to/data on the command line, or set the task's hub: option to download the data "
+    "set from the Hugging Face hub (needs `pip install datasets` and network)"
+)
+
+
+def repo_root() -> Path:
+    """The repository root of an editable install (the folder holding ``conf/``)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Resolve a data path: absolute as is; relative to the working directory, else to the repository root.
+
+    Args:
+        path: A file path from a config.
+
+    Returns:
+        The resolved path (which may not exist; see :func:`require_file`).
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    here = Path.cwd() / p
+    if here.exists():
+        return here.resolve()
+    alt = repo_root() / p
+    return alt.resolve() if alt.exists() else here.resolve()
+
+
+def require_file(path: str | Path, hint: str | None = None) -> Path:
+    """Return the resolved path of an existing file or raise a FileNotFoundError naming it.
+
+    Args:
+        path: The file path from the config.
+        hint: How to get the data; defaults to :data:`DATA_HINT`.
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+    """
+    p = resolve_path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p} (configured as {str(path)!r}); {hint or DATA_HINT}")
+    return p
+
+
+def read_text(path: Path, max_chars: int | None = None) -> str:
+    """Read a UTF-8 text file, optionally only its first ``max_chars`` characters."""
+    with path.open(encoding="utf-8") as fh:
+        return fh.read(max_chars) if max_chars else fh.read()
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a JSON-lines file, naming the line of a syntax error."""
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            yield row
+
+
+def detect_format(path: Path, fmt: str = "auto") -> str:
+    """Return ``tsv``, ``csv`` or ``jsonl`` from ``fmt`` or the file extension."""
+    if fmt != "auto":
+        if fmt not in ("tsv", "csv", "jsonl"):
+            raise ValueError(f"unknown format {fmt!r}; use auto, tsv, csv or jsonl")
+        return fmt
+    ext = path.suffix.lower()
+    if ext in (".tsv", ".txt"):
+        return "tsv"
+    if ext == ".csv":
+        return "csv"
+    if ext in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    raise ValueError(f"cannot tell the format of {path} from its extension; set format: tsv, csv or jsonl")
+
+
+def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
+    """Read a TSV, CSV or JSONL file into rows keyed by column name.
+
+    Without a header, columns are named by position: ``"0"``, ``"1"``, ...
+
+    Args:
+        path: The file.
+        fmt: ``auto``, ``tsv``, ``csv`` or ``jsonl``.
+        header: Whether the first TSV/CSV line holds column names.
+
+    Returns:
+        The column names seen and the rows.
+    """
+    kind = detect_format(path, fmt)
+    if kind == "jsonl":
+        rows = list(iter_jsonl(path))
+        columns = list(rows[0].keys()) if rows else []
+        return columns, rows
+    delimiter = "\t" if kind == "tsv" else ","
+    quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
+    with path.open(encoding="utf-8", newline="") as fh:
+        reader = csv.reader(fh, delimiter=delimiter, quoting=quoting)
+        lines = [line for line in reader if line]
+    if not lines:
+        return [], []
+    if header:
+        columns, body = [c.strip() for c in lines[0]], lines[1:]
+    else:
+        columns, body = [str(i) for i in range(len(lines[0]))], lines
+    rows = [dict(zip(columns, line)) for line in body]
+    return columns, rows
+
+
+def column_name(columns: Sequence[str], column: str | int, role: str, path: Path) -> str:
+    """Map a column given by name or position to its name, or raise a KeyError listing the columns seen.
+
+    Args:
+        columns: Column names read from the file.
+        column: The configured name, or a 0-based position.
+        role: What the column is for (used in the error message), e.g. ``"text_column"``.
+        path: The file (for the error message).
+    """
+    if isinstance(column, int) or (isinstance(column, str) and column.isdigit() and column not in columns):
+        idx = int(column)
+        if 0 <= idx < len(columns):
+            return columns[idx]
+        raise KeyError(f"{role}={column!r}: {path} has only {len(columns)} columns: {list(columns)}")
+    if column not in columns:
+        raise KeyError(f"{role}={column!r} not found in {path}; columns seen: {list(columns)}")
+    return str(column)
+
+
+def check_fields(row: Mapping[str, Any], fields: Sequence[str], path: Path) -> None:
+    """Raise a KeyError naming the missing fields and listing the fields seen in ``row``."""
+    missing = [f for f in fields if f not in row]
+    if missing:
+        raise KeyError(f"field(s) {missing} not found in {path}; fields seen: {list(row.keys())}")
+
+
+def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
+    """Load one split of a Hugging Face hub data set (network and the ``datasets`` package needed).
+
+    Args:
+        hub: ``{path: ..., name: ...}`` as given to ``datasets.load_dataset``.
+        split: The split name.
+
+    Returns:
+        The rows as dictionaries.
+    """
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError("reading a task from the Hugging Face hub needs `pip install datasets`") from exc
+    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=split)
+    return [dict(r) for r in ds]

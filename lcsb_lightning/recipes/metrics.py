@@ -1,0 +1,75 @@
+"""torchmetrics metrics of the recipes: LM loss/perplexity/next-token accuracy and final-number exact match."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torchmetrics import Metric
+
+IGNORE = -100
+
+
+class LanguageModelMetrics(Metric):
+    """Token-weighted loss, perplexity and next-token accuracy over an evaluation epoch (MeBP's metrics).
+
+    ``update`` takes unshifted logits and labels as a causal LM produces them; positions whose
+    shifted label is ``-100`` (prompt or padding) are ignored.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("nll", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:  # type: ignore[override]
+        """Accumulate one batch.
+
+        Args:
+            logits: ``(batch, seq, vocab)`` logits.
+            labels: ``(batch, seq)`` labels, not yet shifted.
+        """
+        logits = logits[:, :-1].float()
+        target = labels[:, 1:]
+        mask = target != IGNORE
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
+        self.nll = self.nll + nll.double()
+        self.correct = self.correct + ((logits.argmax(-1) == target) & mask).sum()
+        self.tokens = self.tokens + mask.sum()
+
+    def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Return ``loss`` (mean NLL per token), ``ppl`` and ``token_acc``."""
+        n = self.tokens.clamp(min=1)
+        loss = (self.nll / n).float()
+        return {
+            "loss": loss,
+            "ppl": torch.exp(loss.clamp(max=math.log(1e30))),
+            "token_acc": (self.correct.double() / n).float(),
+        }
+
+
+class ExactMatch(Metric):
+    """Share of predictions equal to their reference (strings; ``None`` never matches)."""
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("hits", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, preds: list[str | None], targets: list[str | None]) -> None:  # type: ignore[override]
+        """Count matches of one batch."""
+        self.hits = self.hits + sum(int(p is not None and p == t) for p, t in zip(preds, targets))
+        self.total = self.total + len(targets)
+
+    def compute(self) -> torch.Tensor:  # type: ignore[override]
+        """Return the exact-match rate."""
+        return self.hits.float() / self.total.clamp(min=1).float()

