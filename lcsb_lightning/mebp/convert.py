@@ -49,7 +49,8 @@ def validate_args(fmt: str, group_size: int, checkpoint: bool, offload: str, ign
 
 
 def _ignored(name: str, ignore_modules: Iterable[str]) -> bool:
-    return any(name == ignored or name.endswith("." + ignored) or name.startswith(ignored + ".") for ignored in ignore_modules)
+    dotted = f".{name}."
+    return any(f".{ignored}." in dotted for ignored in ignore_modules)
 
 
 def _adapter_module_ids(model: nn.Module) -> set[int]:
@@ -151,7 +152,8 @@ def apply_mebp(
         checkpoint: Per-block non-reentrant gradient checkpointing.
         offload: ``"none"`` or ``"mmap"``.
         compress_embeddings: Also compress the input embedding and LM head.
-        ignore_modules: Module names (qualified, or a trailing part such as ``"lm_head"``) to keep as is.
+        ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
+            name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
         blocks: How to find the blocks (see :func:`lcsb_lightning.blocks.find_blocks`).
         offload_dir: Parent of the temporary offload directory.
 

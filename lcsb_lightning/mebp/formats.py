@@ -117,3 +117,23 @@ def dequantize(packed: Packed, fmt: str, group_size: int, dtype: torch.dtype) ->
 def select_rows(packed: Packed, index: torch.Tensor | slice) -> Packed:
     """The compressed rows ``index`` of ``packed`` (an embedding lookup or an output chunk)."""
     return Packed(packed.codes[index], packed.scales[index])
+
+
+def error_bound(fmt: str) -> float:
+    """Largest round-trip error of one weight, as a fraction of its group's largest magnitude.
+
+    ``int4`` rounds to the nearest multiple of ``absmax / 7``: at most ``1 / 14``. ``nf4``/``fp4``
+    round to the nearest entry of their 16-value code book scaled by ``absmax``: at most half the
+    widest gap between neighbouring entries (read from bitsandbytes' code book).
+
+    Example::
+
+        >>> round(error_bound("int4"), 4)
+        0.0714
+    """
+    if fmt == "int4":
+        return 0.5 / 7.0
+    validate_format(fmt, 64)
+    code = _bnb_functional(fmt).get_4bit_type(fmt, device="cpu").float()
+    values = torch.sort(code / code.abs().max()).values
+    return float((values[1:] - values[:-1]).max() / 2)

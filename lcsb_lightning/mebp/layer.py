@@ -6,6 +6,9 @@ gradient. Inside a checkpointed block the recompute decompresses once and that c
 backward, so a back-propagated block costs one backward decompression per layer and a block skipped
 by LCSB costs none. Layers wider than ``max_chunk_elements`` are processed in row chunks so that
 a 150k-row LM head never exists decompressed in full.
+
+The compressed buffers are not part of ``state_dict()``: they are re-derived from the source
+weights, so Lightning checkpoints hold only the trainable (LoRA) and other float tensors.
 """
 
 from __future__ import annotations
@@ -127,8 +130,8 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         self.fmt = fmt
         self.group_size = group_size
         self.max_chunk_elements = max_chunk_elements
-        self.register_buffer("weight", packed.codes)
-        self.register_buffer("scales", packed.scales)
+        self.register_buffer("weight", packed.codes, persistent=False)
+        self.register_buffer("scales", packed.scales, persistent=False)
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self.decompress_count = {"forward": 0, "backward": 0}
 
@@ -180,8 +183,8 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         self.padding_idx = padding_idx
         self.fmt = fmt
         self.group_size = group_size
-        self.register_buffer("weight", packed.codes)
-        self.register_buffer("scales", packed.scales)
+        self.register_buffer("weight", packed.codes, persistent=False)
+        self.register_buffer("scales", packed.scales, persistent=False)
         self.decompress_count = {"forward": 0, "backward": 0}
 
     @classmethod
