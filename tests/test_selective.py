@@ -138,3 +138,46 @@ def test_identity_path_errors() -> None:
         selective.blocks[0](torch.randn(2, 4, requires_grad=True))
     with pytest.raises(RuntimeError, match="already has selective backprop installed"):
         SelectiveBackprop(selective.blocks)
+
+
+@pytest.mark.parametrize("arch", ["falcon", "gemma3", "gpt2", "gpt_neox", "opt", "phi3", "qwen2"])
+def test_identity_path_on_hf_architectures(arch: str) -> None:
+    """Tensor and tuple block outputs, rotary embeddings and masks passed as kwargs."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.test_blocks import ARCHITECTURES
+
+    torch.manual_seed(0)
+    make_config, model_cls = ARCHITECTURES[arch]
+    model = get_peft_model(model_cls(make_config()), LoraConfig(r=2, target_modules="all-linear", init_lora_weights="gaussian"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    model.train()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    def seeded_loss() -> torch.Tensor:  # GPT-2/OPT/Falcon apply dropout in training mode
+        torch.manual_seed(123)
+        return _loss(model, tokens)
+
+    with torch.no_grad():
+        reference = seeded_loss().item()
+    selection = (1,)
+    blocks = map_trainable_params(model).blocks
+    _set_trainable(model, selection)
+    hooks = _surrogate_hooks(blocks, selection)
+    seeded_loss().backward()
+    expected = _grads(model)
+    for hook in hooks:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+    selective = SelectiveBackprop(blocks)
+    selective.set_selection(selection)
+    loss = seeded_loss()
+    loss.backward()
+    selective.remove()
+    assert loss.item() == pytest.approx(reference, rel=1e-6)
+    got = _grads(model)
+    trained = [n for n in got if got[n] is not None]
+    assert trained and all(".h.1." in n or ".layers.1." in n for n in trained)
+    for name in trained:  # the surrogate's h + (o - h) rounds differently from o: a looser tolerance
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
