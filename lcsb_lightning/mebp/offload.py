@@ -70,7 +70,7 @@ class MmapOffload:
         >>> offload.close()
     """
 
-    def __init__(self, parent_dir: str | None = None, min_bytes: int = 1 << 16) -> None:
+    def __init__(self, parent_dir: str | None = None, min_bytes: int = 1 << 10) -> None:
         if min_bytes < 0:
             raise ValueError(f"`min_bytes` must be >= 0, got {min_bytes}.")
         self.min_bytes = min_bytes
