@@ -51,7 +51,8 @@ def require_file(path: str | Path, hint: str | None = None) -> Path:
     """
     p = resolve_path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p} (configured as {str(path)!r}); {hint or DATA_HINT}")
+        given = "" if str(path) == str(p) else f" (configured as {str(path)!r})"
+        raise FileNotFoundError(f"data file not found: {p}{given}; {hint or DATA_HINT}")
     return p
 
 

@@ -111,15 +111,13 @@ class CausalLMModule(LightningModule):
             return out.loss
         from lcsb_lightning.mebp import chunked_lm_loss
 
-        out = self.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=1,
-        )
-        head = self.model.get_output_embeddings()
-        return chunked_lm_loss(out.hidden_states[-1], head.weight, batch["labels"], chunk_size=self.hparams.chunk_size)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        backbone = getattr(base, base.base_model_prefix)  # e.g. LlamaModel: final-norm hidden states, no logits
+        hidden = backbone(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).last_hidden_state
+        head = base.get_output_embeddings()
+        return chunked_lm_loss(hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""

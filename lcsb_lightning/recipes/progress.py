@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from lightning import LightningModule, Trainer
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 
 
 def _format_blocks(selection: tuple[int, ...], limit: int = 8) -> str:
@@ -16,38 +16,39 @@ def _format_blocks(selection: tuple[int, ...], limit: int = 8) -> str:
     return shown + ("..." if len(selection) > limit else "")
 
 
-class LCSBProgressBar(RichProgressBar):
-    """``RichProgressBar`` that adds ``step_ms`` (mean of the last optimizer steps) and ``blocks``."""
+class StepTimer(Callback):
+    """Measures the wall time of every training batch (forward, backward and optimizer step)."""
 
-    def __init__(self, window: int = 10, **kwargs: Any):
-        super().__init__(**kwargs)
+    def __init__(self, window: int = 10) -> None:
         self.window = window
-        self._times: list[float] = []
+        self.recent: list[float] = []
+        self.total_seconds = 0.0
         self._t0: float | None = None
-        self.total_train_seconds = 0.0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._t0 = time.perf_counter()
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._t0 is not None:
             dt = time.perf_counter() - self._t0
-            self.total_train_seconds += dt
-            self._times = (self._times + [dt])[-self.window :]
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.total_seconds += dt
+            self.recent = (self.recent + [dt])[-self.window :]
+            self._t0 = None
+
+
+class LCSBProgressBar(RichProgressBar):
+    """``RichProgressBar`` that adds ``step_ms`` (from a :class:`StepTimer`) and LCSB's selected ``blocks``."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         """Lightning's progress-bar metrics plus ``step_ms`` and ``blocks``."""
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
-        if self._times:
-            items["step_ms"] = f"{1000 * sum(self._times) / len(self._times):.0f}"
         for cb in trainer.callbacks:
+            if isinstance(cb, StepTimer) and cb.recent:
+                items["step_ms"] = f"{1000 * sum(cb.recent) / len(cb.recent):.0f}"
             selection = getattr(cb, "selection", None)
             if isinstance(selection, tuple):
                 items["blocks"] = _format_blocks(selection)
-                break
         return items

@@ -164,8 +164,7 @@ class LMTextTask(Task):
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Pack the training and evaluation documents into ``seq_len``-token sequences."""
         train_docs, eval_docs = self._documents()
-        train = self._pack(tokenizer, train_docs, seq_len, None if self.max_train_examples is None else None)
-        train = _subsample(train, self.max_train_examples, self.seed)
+        train = _subsample(self._pack(tokenizer, train_docs, seq_len, None), self.max_train_examples, self.seed)
         evals = self._pack(tokenizer, eval_docs, seq_len, self.max_eval_examples)
         for name, part in (("training", train), ("evaluation", evals)):
             if not part:

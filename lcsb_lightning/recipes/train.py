@@ -10,12 +10,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb, save_adapter
-from lcsb_lightning.recipes.progress import LCSBProgressBar
+from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer
 from lcsb_lightning.recipes.tasks import collate
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,23 @@ def _hydra_choices() -> dict[str, Any]:
     return {}
 
 
+def build(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that re-raises a configuration error (missing file, column, label,
+    bad value) as itself rather than wrapped, so the message the user sees is the one that explains it."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (FileNotFoundError, KeyError, ValueError, TypeError, ImportError)):
+            raise cause from None
+        raise
+
+
 def build_plugins(cfg: DictConfig) -> list[Any]:
     """Instantiate the ``mebp`` group (``none`` gives no plugin)."""
     if cfg.get("mebp") is None or "_target_" not in cfg.mebp:
         return []
-    return [instantiate(cfg.mebp)]
+    return [build(cfg.mebp)]
 
 
 def make_loaders(data: Any, cfg: DictConfig, pad_id: int) -> tuple[DataLoader, DataLoader]:
@@ -83,8 +96,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     if int(cfg.seq_len) < 2:
         raise ValueError(f"seq_len must be at least 2, got {cfg.seq_len}")
 
-    task = instantiate(cfg.task, _convert_="all")
-    bundle = instantiate(cfg.model)
+    task = build(cfg.task, _convert_="all")
+    bundle = build(cfg.model)
     if int(cfg.seq_len) > bundle.max_positions:
         raise ValueError(
             f"seq_len={cfg.seq_len} is above the context length of {bundle.name} "
@@ -94,17 +107,21 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
     train_loader, eval_loader = make_loaders(data, cfg, bundle.tokenizer.pad_token_id)
 
-    lora = instantiate(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
-    module = instantiate(cfg.module, _convert_="all")(
+    lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
+    module = build(cfg.module, _convert_="all")(
         model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora
     )
-    policy = instantiate(cfg.policy) if cfg.get("policy") and "_target_" in cfg.policy else None
+    policy = build(cfg.policy) if cfg.get("policy") and "_target_" in cfg.policy else None
     callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
-    progress = LCSBProgressBar()
-    callbacks.append(progress)
-    logger = instantiate(cfg.logger, save_dir=str(out))
-    trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, plugins=build_plugins(cfg), default_root_dir=str(out)
+    timer = StepTimer()
+    callbacks.append(timer)
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(LCSBProgressBar())
+    logger = build(cfg.logger, save_dir=str(out))
+    plugins = build_plugins(cfg)
+    extra: dict[str, Any] = {"precision": None} if plugins else {}  # the MeBP plugin sets the precision
+    trainer: L.Trainer = build(
+        cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(out), **extra
     )
 
     initial: dict[str, float] = {}
@@ -118,7 +135,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     adapter_dir = save_adapter(module.model, out / ADAPTER_NAME)
     trainable = sum(p.numel() for n, p in module.model.named_parameters() if "lora_" in n)
     steps = int(trainer.global_step)
-    train_seconds = progress.total_train_seconds or fit_seconds
+    train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
         "model": bundle.name,
         "task": type(task).__name__,

@@ -1,0 +1,159 @@
+"""Every option of every config group composes and instantiates (as lightning-hydra-template's config tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import MissingConfigException
+from hydra.utils import instantiate
+from lightning import Trainer
+
+from _recipes_utils import FAST, compose_cfg, one_thread, write_cls, write_qa, write_text  # noqa: F401
+from lcsb_lightning.recipes.cli import conf_dir
+from lcsb_lightning.recipes.models import ModelBundle
+
+CONF = conf_dir()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_its_options() -> None:
+    assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m", "tiny"]
+    assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
+    assert options("policy") == ["cyclic", "freeze", "full", "grad_norm", "random"]
+    assert options("mebp") == ["int4", "nf4", "none"]
+    assert options("trainer") == ["cpu", "gpu"]
+    assert options("logger") == ["csv", "tensorboard"]
+    assert "paper" in options("experiment")
+
+
+def test_every_yaml_opens_with_its_launch_command() -> None:
+    for path in CONF.rglob("*.yaml"):
+        first = path.read_text().splitlines()[0]
+        if first.startswith("# @package"):
+            first = path.read_text().splitlines()[1]
+        assert first.startswith("# lcsb-finetune"), path
+
+
+def test_default_config_composes() -> None:
+    cfg = compose_cfg([])
+    assert cfg.model._target_.endswith("smollm2_135m")
+    assert cfg.task.builtin == "pydoc" and cfg.policy.policy == "cyclic"
+
+
+@pytest.mark.parametrize("name", ["cyclic", "freeze", "full", "grad_norm", "random"])
+def test_policy_options_instantiate(name: str) -> None:
+    callback = instantiate(compose_cfg([f"policy={name}"]).policy)
+    assert type(callback).__name__ == "LCSBCallback"
+
+
+@pytest.mark.parametrize("name", ["none", "nf4", "int4"])
+def test_mebp_options_instantiate(name: str) -> None:
+    cfg = compose_cfg([f"mebp={name}"])
+    if name == "none":
+        assert "_target_" not in cfg.mebp
+    else:
+        assert type(instantiate(cfg.mebp)).__name__ == "QuantizedMeBP"
+
+
+@pytest.mark.parametrize("name", ["r16", "r8"])
+def test_lora_options_instantiate(name: str) -> None:
+    lora = instantiate(compose_cfg([f"lora={name}"]).lora, _convert_="all")
+    assert lora.r == int(name[1:]) and len(lora.target_modules) == 7
+
+
+@pytest.mark.parametrize("name", ["csv", "tensorboard"])
+def test_logger_options_instantiate(name: str, tmp_path: Path) -> None:
+    logger = instantiate(compose_cfg([f"logger={name}"]).logger, save_dir=str(tmp_path))
+    assert Path(logger.log_dir).parent == tmp_path
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_trainer_options_instantiate(name: str) -> None:
+    cfg = compose_cfg([f"trainer={name}"])
+    if name == "gpu" and not torch.cuda.is_available():
+        pytest.skip("trainer=gpu needs a CUDA device (composition checked)")
+    assert isinstance(instantiate(cfg.trainer, logger=False, enable_progress_bar=False), Trainer)
+
+
+def test_experiment_paper_sets_paper_values() -> None:
+    cfg = compose_cfg(["experiment=paper"])
+    assert (cfg.batch_size, cfg.seq_len, cfg.module.lr, cfg.module.weight_decay, cfg.trainer.max_steps) == (
+        1, 256, 1e-4, 0.01, 1000
+    )
+    cfg = compose_cfg(["experiment=paper_mebp"])
+    assert cfg.mebp.fmt == "int4" and cfg.module.chunked_loss and cfg.seq_len == 256
+
+
+def test_task_options_instantiate(tmp_path: Path) -> None:
+    txt, txt_eval = write_text(tmp_path)
+    qa, qa_eval = write_qa(tmp_path)
+    cls, cls_eval = write_cls(tmp_path)
+    overrides = {
+        "pydoc": [],
+        "lm_text": [f"task.train_files=[{txt}]", f"task.eval_files=[{txt_eval}]"],
+        "qa_jsonl": [f"task.train_file={qa}", f"task.eval_file={qa_eval}"],
+        "classification": [
+            f"task.train_file={cls}", f"task.eval_file={cls_eval}", "task.text_column=sentence",
+            "task.verbalizer={0: bad, 1: good}",
+        ],
+    }
+    for name, extra in overrides.items():
+        task = instantiate(compose_cfg([f"task={name}", *extra]).task, _convert_="all")
+        assert task.kind in ("lm", "qa", "classification")
+
+
+@pytest.mark.parametrize("name", ["wikitext2", "gsm8k", "sst2"])
+def test_preset_options_instantiate(name: str) -> None:
+    from _recipes_utils import SHARED_DATA
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not present (the presets read ../shared/data)")
+    task = instantiate(compose_cfg([f"task={name}", f"data_dir={SHARED_DATA}"]).task, _convert_="all")
+    assert task.kind in ("lm", "qa", "classification")
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "params_b"),
+    [("qwen2.5_0.5b", 24, 0.494), ("qwen2.5_1.5b", 28, 1.54), ("qwen2.5_3b", 36, 3.09), ("gemma3_1b", 26, 1.0)],
+)
+def test_random_init_shapes_instantiate_on_meta(name: str, layers: int, params_b: float) -> None:
+    bundle = instantiate(compose_cfg([f"model={name}", "model.init_device=meta"]).model)
+    assert isinstance(bundle, ModelBundle)
+    assert bundle.model.config.num_hidden_layers == layers
+    n = sum(p.numel() for p in bundle.model.parameters()) / 1e9
+    assert abs(n - params_b) / params_b < 0.05, n
+
+
+def test_tiny_and_hf_models_instantiate(tmp_path: Path) -> None:
+    tiny = instantiate(compose_cfg(["model=tiny"]).model)
+    tiny.model.save_pretrained(tmp_path / "m")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    hf = instantiate(compose_cfg(["model=hf", f"model.name_or_path={tmp_path / 'm'}"]).model)
+    x = torch.tensor([[1, 5, 9]])
+    assert torch.allclose(tiny.model(x).logits, hf.model(x).logits)
+
+
+def test_smollm2_option_composes() -> None:
+    assert compose_cfg(["model=smollm2_135m"]).model.dtype == "float32"  # instantiation: tests/test_recipes_models.py (slow)
+
+
+def test_unknown_option_lists_the_available_ones() -> None:
+    with pytest.raises(MissingConfigException) as err:
+        compose_cfg(["policy=nope"])
+    assert "cyclic" in str(err.value) and "grad_norm" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["joblib_local", "slurm"])
+def test_launcher_notes(name: str) -> None:
+    plugin = {"joblib_local": "hydra_plugins.hydra_joblib_launcher", "slurm": "hydra_plugins.hydra_submitit_launcher"}[name]
+    text = (CONF / "hydra" / "launcher" / f"{name}.yaml").read_text()
+    assert "pip install" in text
+    if importlib.util.find_spec(plugin.split(".")[0]) is None or importlib.util.find_spec(plugin) is None:
+        pytest.skip(f"{plugin} is not installed (optional launcher)")
+    compose_cfg([f"hydra/launcher={name}", *FAST])
