@@ -181,12 +181,26 @@ def apply_mebp(
             f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
             f"{type(unwrap_model(model)).__name__} (after `ignore_modules={tuple(ignore_modules)!r}`)."
         )
-    state = MeBPState(fmt, group_size, found)
-    state.layers = compress_modules(model, targets, fmt, group_size)
+    layers = compress_modules(model, targets, fmt, group_size)
+    return finish_conversion(model, found, layers, fmt, group_size, checkpoint, offload, offload_dir)
+
+
+def finish_conversion(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    layers: dict[str, nn.Module],
+    fmt: str,
+    group_size: int,
+    checkpoint: bool,
+    offload: str,
+    offload_dir: str | None,
+) -> nn.Module:
+    """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
+    state = MeBPState(fmt, group_size, blocks, layers)
     if offload == "mmap":
         state.offload = MmapOffload(offload_dir)
     if checkpoint or state.offload is not None:
-        install_block_wrappers(found, checkpoint, state.offload.hooks if state.offload is not None else None)
+        install_block_wrappers(blocks, checkpoint, state.offload.hooks if state.offload is not None else None)
     object.__setattr__(model, STATE_ATTR, state)
     return model
 

@@ -1,0 +1,164 @@
+"""``load_compressed``: build a model directly in MeBP's compressed form, one tensor at a time.
+
+The model skeleton is created on the meta device; then every module to compress is built straight
+from its source weight (quantized in row chunks, so not even the 150k-row embedding exists in float
+at once), and the remaining small float parameters (norms, biases, ignored modules) are loaded. Peak
+memory stays near the compressed model size plus one weight chunk.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Union
+
+import torch
+from torch import nn
+
+from lcsb_lightning.blocks import find_blocks
+from lcsb_lightning.mebp.convert import finish_conversion, find_targets, validate_args
+from lcsb_lightning.mebp.formats import Packed, quantize
+from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource
+
+#: Largest number of float weights quantized at once while loading.
+LOAD_CHUNK_ELEMENTS = 1 << 22
+
+Source = Union[str, os.PathLike, Any]  # a folder, a .gguf path, or a transformers PretrainedConfig
+
+
+def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Buffers computed in __init__ (rotary inv_freq) are rebuilt on CPU by re-instantiating their module.
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)) and not any(
+            p.is_meta for p in module.parameters(recurse=False)
+        ):
+            try:
+                rebuilt = type(module)(config=getattr(module, "config", config))
+            except TypeError as err:
+                raise NotImplementedError(
+                    f"load_compressed cannot rebuild the buffers of `{name}` ({type(module).__name__})."
+                ) from err
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, rebuilt)
+    return model.eval()
+
+
+def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_size: int) -> Packed:
+    step = max(1, LOAD_CHUNK_ELEMENTS // shape[1])
+    codes, scales = [], []
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+        part = quantize(source.rows(name, shape, start, stop), fmt, group_size)
+        codes.append(part.codes)
+        scales.append(part.scales)
+    return Packed(torch.cat(codes), torch.cat(scales))
+
+
+def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    data = source.rows(name, param.shape, 0, param.shape[0] if param.dim() else 1).reshape(param.shape)
+    return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
+
+
+def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None]:
+    """``(config, kind, path)`` where kind is ``"random"``, ``"safetensors"`` or ``"gguf"``."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source, "random", None
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"`source` must be a checkpoint folder, a .gguf file or a transformers config, got {type(source).__name__}."
+        )
+    path = os.fspath(source)
+    if gguf_file is not None:
+        path = os.path.join(path, gguf_file)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
+        folder, name = os.path.split(os.path.abspath(path))
+        return AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
+    return AutoConfig.from_pretrained(path), "safetensors", path
+
+
+def load_compressed(
+    source: Source,
+    fmt: str = "nf4",
+    group_size: int = 64,
+    checkpoint: bool = True,
+    offload: str = "none",
+    compress_embeddings: bool = True,
+    ignore_modules: Iterable[str] = (),
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    offload_dir: str | None = None,
+) -> nn.Module:
+    """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
+
+    Args:
+        source: A Hugging Face checkpoint folder (safetensors), a ``.gguf`` file (or its folder with
+            ``gguf_file``), or a ``PretrainedConfig`` for a random init (memory and speed studies).
+        fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules: As in
+            :func:`~lcsb_lightning.mebp.apply_mebp`.
+        gguf_file: File name of the GGUF inside the ``source`` folder.
+        dtype: Dtype of the float parameters that stay uncompressed (norms, biases).
+        seed: Seed of the random init.
+        offload_dir: Parent of the temporary offload directory.
+
+    Returns:
+        The model, in eval mode, with the state :func:`~lcsb_lightning.mebp.mebp_state` reports;
+        a ``QuantizedMeBP`` plugin leaves it as it is.
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                      num_attention_heads=4, vocab_size=128)
+        >>> model = load_compressed(config, fmt="int4", group_size=32)
+        >>> type(model.lm_head).__name__
+        'CompressedLinear'
+    """
+    validate_args(fmt, group_size, checkpoint, offload, tuple(ignore_modules))
+    config, kind, path = _resolve(source, gguf_file, seed)
+    model = _meta_model(config, dtype)
+    found = find_blocks(model)
+    targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
+    weight_source: WeightSource
+    if kind == "random":
+        weight_source = RandomSource(std=getattr(config, "initializer_range", 0.02), seed=seed)
+    elif kind == "safetensors":
+        tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
+        weight_source = SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
+    else:
+        weight_source = GGUFSource(path, model)
+
+    shared: dict[int, Packed] = {}
+    layers: dict[str, nn.Module] = {}
+    for target_name, module in targets.items():
+        key = id(module.weight)
+        if key not in shared:
+            shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size)
+        if isinstance(module, nn.Embedding):
+            new: nn.Module = CompressedEmbedding(shared[key], fmt, group_size, module.padding_idx, dtype)
+        else:
+            bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype) if module.bias is not None else None
+            new = CompressedLinear(module.in_features, module.out_features, shared[key], bias, fmt, group_size)
+        parent, _, child = target_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        layers[target_name] = new
+    loaded: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in loaded:
+                    loaded[id(param)] = _float_param(weight_source, names[id(param)], param, dtype)
+                module._parameters[pname] = loaded[id(param)]
+    return finish_conversion(model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir)
