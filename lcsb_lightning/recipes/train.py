@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def make_loaders(data: Any, cfg: DictConfig, pad_id: int) -> tuple[DataLoader, D
     return train, evals
 
 
-def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Fine-tune as configured and write TensorBoard logs, the adapter and ``summary.json`` into ``output_dir``.
 
     Order: the task is constructed first (its files, columns and labels are checked before any
@@ -86,6 +87,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     Args:
         cfg: The composed config (``conf/config.yaml``).
         output_dir: The run directory (Hydra's output directory).
+        extra_callbacks: More Lightning callbacks for the Trainer (the benchmark's recorder).
 
     Returns:
         The summary that was written.
@@ -115,6 +117,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
     timer = StepTimer()
     callbacks.append(timer)
+    callbacks.extend(extra_callbacks)
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(out))
