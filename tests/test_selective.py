@@ -43,6 +43,28 @@ def _surrogate_hooks(blocks: list[nn.Module], selection: tuple[int, ...]) -> lis
     return [b.register_forward_hook(hook, with_kwargs=True) for i, b in enumerate(blocks) if i not in selection]
 
 
+def _surrogate_vs_selective(
+    model: nn.Module, loss_fn: Callable[[], torch.Tensor], selection: tuple[int, ...]
+) -> tuple[float, dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """Backward once through the hook-based surrogate, once through SelectiveBackprop.
+
+    Returns the SelectiveBackprop loss, its gradients and the surrogate's gradients."""
+    blocks = map_trainable_params(model).blocks
+    _set_trainable(model, selection)
+    hooks = _surrogate_hooks(blocks, selection)
+    loss_fn().backward()
+    expected = _grads(model)
+    for hook in hooks:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+    selective = SelectiveBackprop(blocks)
+    selective.set_selection(selection)
+    loss = loss_fn()
+    loss.backward()
+    selective.remove()
+    return loss.item(), _grads(model), expected
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "plain": lambda: (torch.manual_seed(0), ResidualNet(num_blocks=4))[1],
     "llama_peft": lambda: tiny_llama_peft(num_layers=4),
@@ -54,25 +76,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 def test_identity_path_matches_surrogate(kind: str, selection: tuple[int, ...]) -> None:
     tokens = torch.randint(0, 16, (2, 10), generator=torch.Generator().manual_seed(1))
     model = MODELS[kind]()
-    blocks = map_trainable_params(model).blocks
     full_loss = _loss(model, tokens)
-
-    _set_trainable(model, selection)
-    hooks = _surrogate_hooks(blocks, selection)
-    _loss(model, tokens).backward()
-    expected = _grads(model)
-    for hook in hooks:
-        hook.remove()
-    model.zero_grad(set_to_none=True)
-
-    selective = SelectiveBackprop(blocks)
-    selective.set_selection(selection)
-    loss = _loss(model, tokens)
-    loss.backward()
-    got = _grads(model)
-    selective.remove()
-
-    assert loss.item() == full_loss.item()  # exact forward value, bit for bit
+    loss, got, expected = _surrogate_vs_selective(model, lambda: _loss(model, tokens), selection)
+    assert loss == full_loss.item()  # exact forward value, bit for bit
     mapped = map_trainable_params(_restore(model))
     for i, names in enumerate(mapped.names_per_block):
         for name in names:
@@ -155,28 +161,15 @@ def test_identity_path_on_hf_architectures(arch: str) -> None:
             nn.init.normal_(p, std=0.02)
     model.train()
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
     def seeded_loss() -> torch.Tensor:  # GPT-2/OPT/Falcon apply dropout in training mode
         torch.manual_seed(123)
         return _loss(model, tokens)
 
     with torch.no_grad():
         reference = seeded_loss().item()
-    selection = (1,)
-    blocks = map_trainable_params(model).blocks
-    _set_trainable(model, selection)
-    hooks = _surrogate_hooks(blocks, selection)
-    seeded_loss().backward()
-    expected = _grads(model)
-    for hook in hooks:
-        hook.remove()
-    model.zero_grad(set_to_none=True)
-    selective = SelectiveBackprop(blocks)
-    selective.set_selection(selection)
-    loss = seeded_loss()
-    loss.backward()
-    selective.remove()
-    assert loss.item() == pytest.approx(reference, rel=1e-6)
-    got = _grads(model)
+    loss, got, expected = _surrogate_vs_selective(model, seeded_loss, (1,))
+    assert loss == pytest.approx(reference, rel=1e-6)
     trained = [n for n in got if got[n] is not None]
     assert trained and all(".h.1." in n or ".layers.1." in n for n in trained)
     for name in trained:  # the surrogate's h + (o - h) rounds differently from o: a looser tolerance
