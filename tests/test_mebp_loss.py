@@ -12,13 +12,16 @@ from lcsb_lightning.mebp.layer import CompressedLinear
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])
-@pytest.mark.parametrize("compressed", [False, True])
-def test_chunked_loss_and_gradient_equal_full_loss(chunk_size: int, compressed: bool) -> None:
+@pytest.mark.parametrize("head_kind", ["frozen", "compressed", "trainable", "callable"])
+def test_chunked_loss_and_gradient_equal_full_loss(chunk_size: int, head_kind: str) -> None:
     torch.manual_seed(0)
-    head: nn.Module = nn.Linear(32, 50, bias=False).requires_grad_(False)
-    if compressed:
+    head: nn.Module = nn.Linear(32, 50, bias=True).requires_grad_(head_kind == "trainable")
+    if head_kind == "compressed":
         head = CompressedLinear.from_linear(head, "int4", 32)
-        head.max_chunk_elements = 32 * 16  # also decompress the head in row chunks
+        head.max_chunk_elements = 32 * 16  # stream the vocabulary in blocks of 16 rows
+    elif head_kind == "callable":
+        linear = head
+        head = lambda h: linear(h)  # noqa: E731  (any callable: checkpointed per chunk)
     hidden = torch.randn(2, 9, 32, requires_grad=True)
     labels = torch.randint(0, 50, (2, 9))
     labels[0, 3] = -100
@@ -30,6 +33,16 @@ def test_chunked_loss_and_gradient_equal_full_loss(chunk_size: int, compressed: 
     loss.backward()
     reference.backward()
     torch.testing.assert_close(hidden.grad, reference_hidden.grad)
+    if head_kind == "trainable":
+        assert head.weight.grad is not None
+
+
+def test_streamed_head_decompresses_once_in_forward_and_once_in_backward() -> None:
+    head = CompressedLinear.from_linear(nn.Linear(32, 64), "int4", 32)
+    head.max_chunk_elements = 32 * 16  # four vocabulary blocks
+    hidden = torch.randn(1, 9, 32, requires_grad=True)
+    chunked_lm_loss(hidden, head, torch.randint(0, 64, (1, 9)), chunk_size=16).backward()
+    assert head.decompress_count == {"forward": 1, "backward": 1}
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,81 @@
-"""Chunked LM-head cross-entropy: full-vocabulary logits never exist for the whole sequence."""
+"""Chunked LM-head cross-entropy: full-vocabulary logits never exist for the whole sequence.
+
+Tokens are processed ``chunk_size`` at a time. For a frozen ``nn.Linear`` head (a
+``CompressedLinear`` included) each chunk streams over the vocabulary in row blocks with an online
+log-sum-exp, so not even one token chunk's full-vocabulary logits exist, and the head's weight is
+decompressed once per chunk in forward and once in backward, which recomputes the block logits.
+Any other head (a callable, or one with trainable parameters) runs per chunk under a non-reentrant
+checkpoint, so its logits are recomputed in backward.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lcsb_lightning.mebp.formats import dequantize
+from lcsb_lightning.mebp.layer import MAX_CHUNK_ELEMENTS, CompressedLinear
+from lcsb_lightning.mebp.stats import time_decompress
+
+
+def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
+    """``(rows, weight[rows], bias[rows])`` over the head's output rows, decompressing if needed."""
+    if isinstance(head, CompressedLinear):
+        chunks = head.row_chunks()
+    else:
+        step = max(1, MAX_CHUNK_ELEMENTS // head.in_features)
+        chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
+    for rows in chunks:
+        if isinstance(head, CompressedLinear):
+            with time_decompress(phase, head.weight.device):
+                weight = dequantize(head.packed(rows), head.fmt, head.group_size, dtype)
+        else:
+            weight = head.weight[rows].to(dtype)
+        bias = head.bias[rows].to(dtype) if head.bias is not None else None
+        yield rows, weight, bias
+    if isinstance(head, CompressedLinear):
+        head.decompress_count[phase] += 1
+
+
+class _StreamingLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, ignore_index: int) -> torch.Tensor:
+        hidden = hidden.float()
+        rows_n = hidden.shape[0]
+        running_max = hidden.new_full((rows_n,), float("-inf"))
+        running_sum = hidden.new_zeros(rows_n)
+        target = hidden.new_zeros(rows_n)
+        for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
+            logits = F.linear(hidden, weight, bias)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+            running_max = new_max
+            inside = (labels >= rows.start) & (labels < rows.stop)
+            target[inside] = logits[inside, labels[inside] - rows.start]
+        lse = running_max + torch.log(running_sum)
+        valid = labels != ignore_index
+        ctx.save_for_backward(hidden, labels, lse)
+        ctx.head = head
+        ctx.ignore_index = ignore_index
+        return ((lse - target) * valid).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        hidden, labels, lse = ctx.saved_tensors
+        scale = (labels != ctx.ignore_index).to(hidden.dtype) * grad_loss
+        grad_hidden = torch.zeros_like(hidden)
+        for rows, weight, bias in _weight_blocks(ctx.head, hidden.dtype, "backward"):
+            probs = torch.exp(F.linear(hidden, weight, bias) - lse[:, None])  # recomputed block logits
+            inside = ((labels >= rows.start) & (labels < rows.stop)).nonzero().squeeze(1)
+            probs[inside, labels[inside] - rows.start] -= 1.0
+            grad_hidden.addmm_(probs.mul_(scale[:, None]), weight)
+        return grad_hidden, None, None, None
 
 
 def _chunk_loss(
@@ -16,23 +85,29 @@ def _chunk_loss(
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
+def _streamable(lm_head: Any) -> bool:
+    return isinstance(lm_head, nn.Linear) and not any(p.requires_grad for p in lm_head.parameters())
+
+
 def chunked_lm_loss(
     hidden_states: torch.Tensor,
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
-    chunk_size: int = 256,
+    chunk_size: int = 1024,
     ignore_index: int = -100,
     shift_labels: bool = True,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
-    Each chunk's logits are computed, reduced to a summed loss and dropped; backward recomputes them
-    (non-reentrant checkpoint), so at most ``chunk_size x vocab`` logits exist at once. The result
-    equals ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift.
+    Each chunk's logits are computed, reduced to a summed loss and dropped; backward recomputes them,
+    so full-vocabulary logits for the whole sequence never exist (for a frozen ``nn.Linear`` head
+    they are streamed over vocabulary blocks too). The result equals
+    ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift.
 
     Args:
         hidden_states: ``(batch, seq, hidden)`` output of the final norm.
-        lm_head: The output projection (a ``CompressedLinear`` decompresses in row chunks).
+        lm_head: The output projection: a frozen ``nn.Linear``/``CompressedLinear`` (streamed), or
+            any callable (checkpointed per chunk; use this for a trainable head).
         labels: ``(batch, seq)`` token ids, ``ignore_index`` where no loss is wanted.
         chunk_size: Tokens per chunk (over the flattened batch and sequence).
         ignore_index: Label value excluded from the mean.
@@ -40,7 +115,7 @@ def chunked_lm_loss(
 
     Example::
 
-        >>> head = torch.nn.Linear(8, 50)
+        >>> head = torch.nn.Linear(8, 50).requires_grad_(False)
         >>> h, y = torch.randn(2, 6, 8), torch.randint(0, 50, (2, 6))
         >>> ref = torch.nn.functional.cross_entropy(head(h)[:, :-1].flatten(0, 1), y[:, 1:].flatten())
         >>> bool(torch.allclose(chunked_lm_loss(h, head, y, chunk_size=4), ref, atol=1e-6))
@@ -57,10 +132,13 @@ def chunked_lm_loss(
         hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).to(flat_hidden.device)
+    stream = _streamable(lm_head)
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_size):
         h, y = flat_hidden[start : start + chunk_size], flat_labels[start : start + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if stream:
+            total = total + _StreamingLinearCrossEntropy.apply(h, y, lm_head, ignore_index)
+        elif torch.is_grad_enabled() and h.requires_grad:
             total = total + checkpoint(_chunk_loss, h, y, lm_head, ignore_index, use_reentrant=False)
         else:
             total = total + _chunk_loss(h, y, lm_head, ignore_index)
