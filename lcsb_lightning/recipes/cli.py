@@ -42,5 +42,12 @@ def finetune_main() -> None:
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()
 
 
+def benchmark_main() -> None:
+    """``lcsb-benchmark [benchmark=short|full] [overrides...]``: the reproduction benchmark (``conf/benchmark.yaml``)."""
+    from lcsb_lightning.recipes.benchmark import hydra_benchmark
+
+    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="benchmark")(hydra_benchmark)()
+
+
 if __name__ == "__main__":
     finetune_main()

@@ -1,0 +1,178 @@
+"""Speed and memory study: steps/s alternating arms in one process, whole-process peak RSS one process per arm.
+
+Every arm is LoRA on a ``QuantizedMeBP`` model built straight in compressed form
+(:func:`~lcsb_lightning.mebp.load_compressed` from the random-init shape), trained through
+:class:`~lcsb_lightning.controller.LCSBController` with identity backward and implicit momentum;
+full backprop is ``FullPolicy`` through the same code path. Memory runs go through
+``python -m lcsb_lightning.bench.speed``, one fresh process per arm, reading ``ru_maxrss`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lcsb_lightning.controller import LCSBController
+from lcsb_lightning.policies import CyclicPolicy, FullPolicy, SelectionPolicy
+from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_policy(fraction: float) -> SelectionPolicy:
+    """``FullPolicy`` for ``fraction >= 1``, else the paper's ``CyclicPolicy`` with that fraction."""
+    return FullPolicy() if fraction >= 1.0 else CyclicPolicy(fraction=fraction)
+
+
+def build_model(model_config: Mapping[str, Any], fmt: str, rank: int, seed: int, group_size: int = 64) -> nn.Module:
+    """LoRA (rank ``rank``, all seven projections) on a compressed random-init model of the given shape.
+
+    Args:
+        model_config: The ``config`` node of a ``conf/model`` random-init option (with ``_target_``).
+        fmt: ``nf4``, ``fp4`` or ``int4``.
+        rank: LoRA rank.
+        seed: Random-init seed.
+        group_size: Weights per scale.
+    """
+    from hydra.utils import instantiate
+    from peft import LoraConfig, get_peft_model
+
+    from lcsb_lightning.mebp import load_compressed
+
+    config = instantiate(dict(model_config))
+    torch.manual_seed(seed)
+    model = load_compressed(config, fmt=fmt, group_size=group_size, checkpoint=True, seed=seed)
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """Next-token loss; with ``chunk_size`` through ``chunked_lm_loss`` (no full-vocabulary logits)."""
+    if not chunk_size:
+        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    from lcsb_lightning.mebp import chunked_lm_loss
+
+    base = model.get_base_model()
+    hidden = getattr(base, base.base_model_prefix)(input_ids=tokens, use_cache=False).last_hidden_state
+    return chunked_lm_loss(hidden, base.get_output_embeddings(), tokens, chunk_size=chunk_size)
+
+
+class ArmStepper:
+    """Runs optimizer steps of several arms (policies) on one model, one controller per step."""
+
+    def __init__(self, model: nn.Module, fractions: Mapping[str, float], tokens: torch.Tensor, chunk_size: int | None):
+        self.model, self.tokens, self.chunk_size = model, tokens, chunk_size
+        self.policies = {name: make_policy(f) for name, f in fractions.items()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+        self.step_index = {name: 0 for name in fractions}
+        self.k: dict[str, int] = {}
+        self.num_blocks = 0
+
+    def step(self, name: str) -> float:
+        """One optimizer step of arm ``name``; returns its wall time in seconds."""
+        start = time.perf_counter()
+        controller = LCSBController(self.model, self.policies[name], backward="identity", momentum="implicit")
+        try:
+            selection = controller.begin_step(self.step_index[name], [self.optimizer]) or ()
+            self.k[name], self.num_blocks = len(selection), controller.num_blocks
+            lm_loss(self.model, self.tokens, self.chunk_size).backward()
+            controller.before_optimizer_step(self.optimizer)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            controller.release()
+        self.step_index[name] += 1
+        return time.perf_counter() - start
+
+    def forward_only(self) -> float:
+        """Forward with autograd recording (as in training), graph dropped: ``T_fwd`` of the Amdahl bound."""
+        start = time.perf_counter()
+        lm_loss(self.model, self.tokens, self.chunk_size)
+        return time.perf_counter() - start
+
+
+def time_arms(
+    model: nn.Module, fractions: Mapping[str, float], seq_len: int, steps: int, warmup: int = 1,
+    chunk_size: int | None = 64, vocab: int = 256, log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Median step time per arm, the arms alternating step by step in this process.
+
+    Returns:
+        ``{"arms": {name: {"median_s", "steps_per_s", "times", "k"}}, "forward_median_s", "num_blocks", "loadavg"}``.
+    """
+    tokens = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    stepper = ArmStepper(model, fractions, tokens, chunk_size)
+    load_before = os.getloadavg()
+    times: dict[str, list[float]] = {name: [] for name in fractions}
+    forward: list[float] = []
+    for _ in range(warmup):
+        for name in fractions:
+            stepper.step(name)
+    for i in range(steps):
+        for name in fractions:
+            times[name].append(stepper.step(name))
+        forward.append(stepper.forward_only())
+        log(f"  round {i + 1}/{steps}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
+    arms = {
+        name: {"median_s": statistics.median(t), "steps_per_s": 1.0 / statistics.median(t), "times": t,
+               "k": stepper.k.get(name)}
+        for name, t in times.items()
+    }
+    return {"arms": arms, "forward_median_s": statistics.median(forward), "num_blocks": stepper.num_blocks,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "threads": torch.get_num_threads()}
+
+
+def memory_in_this_process(
+    model_config: Mapping[str, Any], fmt: str, fraction: float, seq_len: int, steps: int, rank: int,
+    chunk_size: int | None, seed: int = 0,
+) -> dict[str, Any]:
+    """Build the model and train ``steps`` steps of one arm here; report this process's peak RSS."""
+    model = build_model(model_config, fmt, rank, seed)
+    after_load = peak_rss_mb()
+    vocab = int(model_config["vocab_size"])
+    tokens = torch.randint(0, min(vocab, 256), (1, seq_len), generator=torch.Generator().manual_seed(0))
+    stepper = ArmStepper(model, {"arm": fraction}, tokens, chunk_size)
+    for _ in range(steps):
+        stepper.step("arm")
+    return {"peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_after_load_mb": round(after_load, 1),
+            "steps": steps, "k": stepper.k.get("arm"), "num_blocks": stepper.num_blocks}
+
+
+def memory_subprocess(spec: Mapping[str, Any], out_json: Path, timeout: float | None = None) -> dict[str, Any]:
+    """Run :func:`memory_in_this_process` in a fresh interpreter (``spec`` = its keyword arguments)."""
+    spec_path = out_json.with_suffix(".spec.json")
+    atomic_write_json(spec_path, dict(spec))
+    cmd = [sys.executable, "-m", "lcsb_lightning.bench.speed", "--spec", str(spec_path), "--out", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    return json.loads(out_json.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lcsb_lightning.bench.speed --spec spec.json --out out.json`` (one memory arm)."""
+    parser = argparse.ArgumentParser(description="One memory arm of the speed study, in this fresh process.")
+    parser.add_argument("--spec", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    result = memory_in_this_process(**spec)
+    atomic_write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
