@@ -37,7 +37,7 @@ def test_every_yaml_opens_with_its_launch_command() -> None:
         first = path.read_text().splitlines()[0]
         if first.startswith("# @package"):
             first = path.read_text().splitlines()[1]
-        assert first.startswith("# lcsb-finetune"), path
+        assert first.startswith(("# lcsb-finetune", "# lcsb-benchmark")), path
 
 
 def test_default_config_composes() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,9 @@ def run_finetune_arm(
     )
     summary = run_finetune(cfg, out_dir, extra_callbacks=[recorder])
     curves = recorder.result()
+    finite = all(math.isfinite(x) for x in curves["train_loss"])
+    if len(curves["steps"]) < steps and finite:  # interrupted (SIGTERM, max_time...): not a finished arm
+        raise RuntimeError(f"arm {arm.name} stopped after {len(curves['steps'])} of {steps} steps; rerun to resume")
     at_steps = {str(e["step"]): e["metrics"] for e in curves["evals"]}
     at_steps["0"] = summary["initial_metrics"]
     if budget_seconds is None:  # the run stopped at `steps` (or earlier, diverged): its final eval
@@ -79,6 +83,7 @@ def run_finetune_arm(
         "labels": dict(arm.labels),
         "overrides": list(arm.overrides),
         "baseline": arm.baseline,
+        "wallclock": budget_seconds is not None or arm.baseline is None,
         "equal_steps": steps,
         "eval_at_steps": at_steps,
         "eval_at_budget": curves["budget_eval"] or (

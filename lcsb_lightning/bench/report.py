@@ -47,7 +47,7 @@ def quality_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
         at_steps = r["eval_at_steps"].get(steps)
         base = by_name.get(r["baseline"] or r["name"])
         base_at_steps = base["eval_at_steps"].get(steps) if base else None
-        budget = r.get("eval_at_budget") or {}
+        budget = (r.get("eval_at_budget") or {}) if r.get("wallclock", True) else {}
         base_budget = (base or {}).get("eval_at_budget") or {}
         metric_name, metric = task_metric(at_steps)
         row: Row = {
@@ -169,7 +169,7 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                       [[r["task"], r["arm"], _f(r["budget_seconds"], ".1f"), str(r["budget_step"]), _f(r["budget_loss"]),
                         _f(r["budget_metric"]),
                         "baseline" if r["baseline"] == r["arm"] else f"{_f(r['wallclock_delta_pct'], '+.2f', '%')} vs {r['baseline']}"]
-                       for r in quality]), ""]
+                       for r in quality if r["budget_loss"] is not None or r["baseline"] == r["arm"]]), ""]
     grid = tables.get("stability") or []
     if grid:
         out += ["## 4-bit stability (diverged runs / runs)", "",

@@ -62,7 +62,7 @@ def _run_quality(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, compose:
             log.info("quality %s: done, skipped", arm.name)
             continue
         budget = None
-        if arm.baseline:
+        if arm.baseline and arm.wallclock:
             base = load_result(root, Arm("quality", arm.baseline))
             budget = (base or {}).get("train_seconds_at_steps")
             if budget is None:
@@ -88,7 +88,13 @@ def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: C
 
     chunk = s.get("chunk_size") or None
     shapes = list(dict.fromkeys(a.labels["shape"] for a in arms))
-    model_cfg = {shape: OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True) for shape in shapes}
+    configs: dict[str, Any] = {}
+
+    def model_cfg(shape: str) -> Any:  # composed only when an arm of that shape still has to run
+        if shape not in configs:
+            configs[shape] = OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True)
+        return configs[shape]
+
     if s.get("memory", True):
         for arm in arms:  # one fresh process per arm
             if load_result(root, arm) is not None:
@@ -97,7 +103,7 @@ def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: C
             log.info("speed memory %s: running in a fresh process", arm.name)
             folder = arm_dir(root, arm)
             folder.mkdir(parents=True, exist_ok=True)
-            spec = {"model_config": model_cfg[arm.labels["shape"]], "fmt": s["fmt"], "fraction": arm.labels["fraction"],
+            spec = {"model_config": model_cfg(arm.labels["shape"]), "fmt": s["fmt"], "fraction": arm.labels["fraction"],
                     "seq_len": int(s["seq_len"]), "steps": int(s["memory_steps"]), "rank": int(s["rank"]), "chunk_size": chunk}
             mem = speed.memory_subprocess(spec, folder / "memory.json", timeout=s.get("memory_timeout_s"))
             atomic_write_json(folder / RESULT_NAME, {"study": "speed", "name": arm.name, "labels": dict(arm.labels), **mem})
@@ -108,9 +114,9 @@ def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: C
             log.info("speed timing %s: done, skipped", shape)
             continue
         log.info("speed timing %s: building the model, then %s alternating steps per arm", shape, s["steps"])
-        model = speed.build_model(model_cfg[shape], s["fmt"], int(s["rank"]), seed=0)
+        model = speed.build_model(model_cfg(shape), s["fmt"], int(s["rank"]), seed=0)
         out = speed.time_arms(model, fractions, int(s["seq_len"]), int(s["steps"]), int(s.get("warmup", 1)),
-                              chunk, vocab=min(256, int(model_cfg[shape]["vocab_size"])), log=log.info)
+                              chunk, vocab=min(256, int(model_cfg(shape)["vocab_size"])), log=log.info)
         del model
         gc.collect()
         atomic_write_json(arm_dir(root, timing) / RESULT_NAME, {"study": "speed", "name": timing.name, "shape": shape, **out})

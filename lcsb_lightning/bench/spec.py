@@ -23,7 +23,9 @@ class Arm:
         name: Unique within the study; also the folder name under ``<out>/<study>/``.
         overrides: Hydra overrides of ``conf/config.yaml`` (fine-tuning arms) or arm settings (speed).
         labels: What the arm is (task, arm, fmt, lr, seed, shape ...), for tables and plots.
-        baseline: Name of the arm whose train time sets this arm's wall-clock budget (quality only).
+        baseline: Name of the arm it is compared with (quality only): equal steps, and unless
+            ``wallclock`` is false, equal wall-clock (the baseline's train time is this arm's budget).
+        wallclock: Keep training past the equal steps until the baseline's train time is spent.
     """
 
     study: str
@@ -31,6 +33,7 @@ class Arm:
     overrides: tuple[str, ...] = ()
     labels: Mapping[str, Any] = field(default_factory=dict)
     baseline: str | None = None
+    wallclock: bool = True
 
 
 def slug(*parts: Any) -> str:
@@ -65,7 +68,7 @@ def quality_arms(q: Mapping[str, Any]) -> list[Arm]:
             )
             base = arm.get("baseline")
             out.append(Arm("quality", slug(task, name), tuple(overrides), {"task": task, "arm": name},
-                           slug(task, base) if base else None))
+                           slug(task, base) if base else None, bool(arm.get("wallclock", True))))
     return out
 
 
