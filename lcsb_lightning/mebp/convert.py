@@ -172,8 +172,8 @@ def apply_mebp(
         'CompressedLinear'
     """
     validate_args(fmt, group_size, checkpoint, offload, ignore_modules)
-    if getattr(model, STATE_ATTR, None) is not None:
-        raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__}.")
+    if mebp_state(model) is not None:
+        raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")
     found = find_blocks(model, blocks)
     targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
     if not targets:
@@ -206,5 +206,12 @@ def finish_conversion(
 
 
 def mebp_state(model: nn.Module) -> MeBPState | None:
-    """The :class:`MeBPState` of a model converted by :func:`apply_mebp`, if any."""
-    return getattr(model, STATE_ATTR, None)
+    """The :class:`MeBPState` of ``model`` or of a submodule converted by :func:`apply_mebp`, if any."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        return state
+    for module in model.modules():
+        state = vars(module).get(STATE_ATTR)
+        if state is not None:
+            return state
+    return None

@@ -8,6 +8,8 @@ memory stays near the compressed model size plus one weight chunk.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from typing import Any, Iterable, Union
 
@@ -61,6 +63,19 @@ def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_
 def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     data = source.rows(name, param.shape, 0, param.shape[0] if param.dim() else 1).reshape(param.shape)
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
+
+
+def _release_free_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None]:
@@ -161,4 +176,6 @@ def load_compressed(
                 if id(param) not in loaded:
                     loaded[id(param)] = _float_param(weight_source, names[id(param)], param, dtype)
                 module._parameters[pname] = loaded[id(param)]
+    del weight_source, shared, loaded
+    _release_free_heap()  # the float row chunks were freed; do not keep their pages resident
     return finish_conversion(model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir)

@@ -21,14 +21,14 @@ from lcsb_lightning.mebp.formats import dequantize
 from lcsb_lightning.mebp.layer import MAX_CHUNK_ELEMENTS, CompressedLinear
 from lcsb_lightning.mebp.stats import time_decompress
 
+#: Head weights decompressed (and logits computed per token) per vocabulary block: 16 MiB in float32.
+VOCAB_BLOCK_ELEMENTS = 1 << 22
+
 
 def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
     """``(rows, weight[rows], bias[rows])`` over the head's output rows, decompressing if needed."""
-    if isinstance(head, CompressedLinear):
-        chunks = head.row_chunks()
-    else:
-        step = max(1, MAX_CHUNK_ELEMENTS // head.in_features)
-        chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
+    step = max(1, min(VOCAB_BLOCK_ELEMENTS, getattr(head, "max_chunk_elements", MAX_CHUNK_ELEMENTS)) // head.in_features)
+    chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
     for rows in chunks:
         if isinstance(head, CompressedLinear):
             with time_decompress(phase, head.weight.device):
