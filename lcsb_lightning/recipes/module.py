@@ -87,7 +87,7 @@ class CausalLMModule(LightningModule):
             model = get_peft_model(model, lora)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameter; configure lora:")
-        self.model = model
+        self.model = model.train()  # from_pretrained returns eval mode; Lightning restores modes per loop
         self.tokenizer, self.task = tokenizer, task
         self.kind = task.kind
         self.val_lm = LanguageModelMetrics()
