@@ -44,8 +44,11 @@ def loss_curves(results: Sequence[Mapping[str, Any]], path: Path, window: int = 
             axes[row][1].plot(c["train_seconds"], smooth, label=arm, lw=1.2, color=line.get_color())
             evals = sorted((int(s), m["val/loss"]) for s, m in r["eval_at_steps"].items() if m and "val/loss" in m)
             axes[row][0].plot([s for s, _ in evals], [v for _, v in evals], "o--", ms=3, lw=0.8, color=line.get_color())
+            timed = [e for e in [*c.get("evals", []), r.get("eval_at_budget")] if e and "val/loss" in e.get("metrics", {})]
+            axes[row][1].plot([e["train_seconds"] for e in timed], [e["metrics"]["val/loss"] for e in timed], "o",
+                              ms=4, color=line.get_color())
         axes[row][0].set(title=f"{task}: train loss (avg {window}) and eval loss (dots) by step", xlabel="step", ylabel="loss")
-        axes[row][1].set(title=f"{task}: train loss by train wall-clock", xlabel="seconds", ylabel="loss")
+        axes[row][1].set(title=f"{task}: train loss and eval loss (dots) by train wall-clock", xlabel="seconds", ylabel="loss")
         axes[row][0].legend(fontsize=7)
     return _save(fig, path)
 

@@ -154,6 +154,10 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                       [[r["shape"], r["arm"], f"{r.get('k')}/{r.get('num_blocks')}", _f(r.get("median_s")),
                         _f(r.get("steps_per_s")), _f(r.get("speedup"), ".2f", "x"), _f(r.get("amdahl_bound"), ".2f", "x"),
                         _f(r.get("peak_rss_mb"), ".0f")] for r in speed]), ""]
+        loads = {r["shape"]: r.get("loadavg") for r in speed if r.get("loadavg") and r["loadavg"][0]}
+        out += [f"Load average (1, 5, 15 min) before -> after timing {shape}: "
+                f"{', '.join(f'{x:.1f}' for x in la[0])} -> {', '.join(f'{x:.1f}' for x in la[1])}  " for shape, la in loads.items()]
+        out.append("")
     quality = tables.get("quality") or []
     if quality:
         out += ["## Quality at equal steps", "",
