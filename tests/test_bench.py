@@ -202,3 +202,13 @@ def test_a_missing_baseline_result_is_an_error(tmp_path: Path) -> None:
         from lcsb_lightning.bench.runner import _run_quality
 
         _run_quality([lcsb], q, tmp_path, lambda o: None)
+
+
+def test_report_only_runs_nothing(tmp_path: Path) -> None:
+    bench = {"name": "r", "report_only": True, "studies": ["stability"], "stability": STABILITY}
+
+    def compose(overrides: Any) -> Any:
+        raise AssertionError("report_only ran an arm")
+
+    tables = run_benchmark(bench, tmp_path, compose, command="test")
+    assert tables["stability"] == [] and (tmp_path / "results.md").is_file()

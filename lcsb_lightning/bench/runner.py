@@ -158,6 +158,7 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
     """Run the pending arms of the configured studies and write ``results.md``, ``results.json`` and plots.
 
     An arm whose ``result.json`` exists is skipped, so an interrupted benchmark resumes where it stopped.
+    With ``report_only`` nothing runs: the tables, plots and results files cover the finished arms.
 
     Args:
         bench: The ``benchmark`` config node (``conf/benchmark/*.yaml``).
@@ -175,8 +176,9 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
     start = time.perf_counter()
     load_before = os.getloadavg()
     runners: dict[str, Callable[..., None]] = {"quality": _run_quality, "speed": _run_speed, "stability": _run_stability}
-    for study in bench["studies"]:
-        runners[study](arms[study], bench[study], root, compose)
+    if not bench.get("report_only", False):
+        for study in bench["studies"]:
+            runners[study](arms[study], bench[study], root, compose)
     tables = collect(root, arms)
     paths = make_plots(root, tables)
     meta = {
