@@ -93,6 +93,8 @@ def test_fit_converts_trains_and_logs_decompression_times(tmp_path: Path) -> Non
         assert metrics["mebp/recompute_ms"] > 0 and metrics["mebp/backward_ms"] > metrics["mebp/recompute_ms"]
         assert 0 < metrics["mebp/decompress_share_bwd"] < 1
     assert plugin.last_metrics.keys() == logged[-1].keys()
+    ignored = module._ddp_params_and_buffers_to_ignore  # DDP does not re-broadcast the codes each step
+    assert "model.base_model.model.lm_head.weight" in ignored and len(ignored) == 2 * (4 * 7 + 2)
 
 
 def test_plugin_composes_with_lcsb_callback(tmp_path: Path) -> None:

@@ -11,7 +11,20 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lcsb_lightning.mebp.convert import apply_mebp, mebp_state, validate_args
+from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.stats import STATS
+
+
+def _skip_ddp_buffer_sync(module: nn.Module) -> None:
+    """Keep DDP from broadcasting the compressed codes every step (every rank derives the same ones)."""
+    names = [
+        f"{name}.{buffer}"
+        for name, sub in module.named_modules()
+        if isinstance(sub, (CompressedLinear, CompressedEmbedding))
+        for buffer in ("weight", "scales")
+    ]
+    ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 
 
 class QuantizedMeBP(Precision):
@@ -81,6 +94,7 @@ class QuantizedMeBP(Precision):
                 ignore_modules=self.ignore_modules,
                 offload_dir=self.offload_dir,
             )
+        _skip_ddp_buffer_sync(module)
         self._module = module
         STATS.reset()
         return module
