@@ -212,3 +212,14 @@ def test_report_only_runs_nothing(tmp_path: Path) -> None:
 
     tables = run_benchmark(bench, tmp_path, compose, command="test")
     assert tables["stability"] == [] and (tmp_path / "results.md").is_file()
+
+
+def test_an_arm_capped_before_its_budget_uses_its_final_eval() -> None:
+    base = quality_result("w", "full", None, 3.0, 2.0, 2.0, 0.5)
+    lcsb = quality_result("w", "lcsb", "full", 3.0, 2.1, 0.0, 0.5)
+    lcsb["eval_at_budget"] = None
+    lcsb["summary"] = {"steps": 16, "final_metrics": {"val/loss": 1.9}}
+    lcsb["curves"]["total_train_seconds"] = 1.5
+    row = report.quality_rows([base, lcsb])[1]
+    assert (row["budget_step"], row["budget_seconds"], row["budget_loss"]) == (16, 1.5, 1.9)
+    assert row["wallclock_delta_pct"] == pytest.approx(-5.0)

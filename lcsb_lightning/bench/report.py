@@ -33,6 +33,14 @@ def _loss(metrics: Mapping[str, Any] | None) -> float | None:
     return None if not metrics else metrics.get("val/loss")
 
 
+def _final_eval(r: Mapping[str, Any]) -> dict[str, Any]:
+    """The final evaluation as the wall-clock point of an arm that hit its step cap before spending its
+    budget (it used less time than the baseline, so the comparison still favours the baseline)."""
+    summary, curves = r.get("summary") or {}, r.get("curves") or {}
+    return {"step": summary.get("steps"), "train_seconds": curves.get("total_train_seconds"),
+            "metrics": summary.get("final_metrics")}
+
+
 def quality_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
     """One row per quality arm: eval loss and metric at equal steps and at the baseline's wall-clock budget.
 
@@ -47,7 +55,7 @@ def quality_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
         at_steps = r["eval_at_steps"].get(steps)
         base = by_name.get(r["baseline"] or r["name"])
         base_at_steps = base["eval_at_steps"].get(steps) if base else None
-        budget = (r.get("eval_at_budget") or {}) if r.get("wallclock", True) else {}
+        budget = (r.get("eval_at_budget") or _final_eval(r)) if r.get("wallclock", True) else {}
         base_budget = (base or {}).get("eval_at_budget") or {}
         metric_name, metric = task_metric(at_steps)
         row: Row = {
