@@ -175,9 +175,9 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                         f"{r['metric_name']} {_f(r['initial_metric'])} -> {_f(r['metric'])}",
                         "baseline" if r["baseline"] == r["arm"] else f"{_f(r['degradation_pct'], '+.2f', '%')} vs {r['baseline']}"]
                        for r in quality]), "",
-                "## Quality at equal wall-clock (the baseline's train time for its steps)", "",
+                "## Quality at equal wall-clock (each arm trains until it has spent the baseline's train time, or hits its step cap)", "",
                 "Goal: LCSB at or below full backprop.", "",
-                table(["task", "arm", "budget (s)", "steps reached", "eval loss", "metric", "vs baseline"],
+                table(["task", "arm", "train time (s)", "steps", "eval loss", "metric", "vs baseline"],
                       [[r["task"], r["arm"], _f(r["budget_seconds"], ".1f"), str(r["budget_step"]), _f(r["budget_loss"]),
                         _f(r["budget_metric"]),
                         "baseline" if r["baseline"] == r["arm"] else f"{_f(r['wallclock_delta_pct'], '+.2f', '%')} vs {r['baseline']}"]
