@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ def _env() -> dict[str, str]:
 def test_two_job_multirun_writes_two_summaries(tmp_path: Path) -> None:
     train, evals = write_text(tmp_path)
     sweep = tmp_path / "sweep"
+    script = shutil.which("lcsb-finetune")  # the console script when installed, else the same entry point
+    entry = [script] if script else [sys.executable, "-m", "lcsb_lightning.recipes.cli"]
     cmd = [
-        sys.executable, "-m", "lcsb_lightning.recipes.cli", "--multirun", *FAST, "task=lm_text",
+        *entry, "--multirun", *FAST, "task=lm_text",
         f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "policy=full,cyclic", f"hydra.sweep.dir={sweep}",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
