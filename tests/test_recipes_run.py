@@ -23,9 +23,22 @@ def _run(overrides: list[str], out: Path) -> dict:
     return summary
 
 
+def _tensorboard_tags(out: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for path in (out / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"]) | set(acc.Tags()["images"])
+    return tags
+
+
 def _assert_outputs(out: Path, summary: dict) -> None:
     assert (out / "adapter" / "adapter_config.json").is_file()
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    tags = _tensorboard_tags(out)
+    assert {"train/loss", "train/lr", "val/loss", "val/ppl", "val/token_acc", "lcsb/num_selected"} <= tags, tags
+    assert "lcsb/selection" in tags  # the block-selection image (every policy.log_every_n_steps=2 steps)
     assert summary["steps"] == 4 and summary["steps_per_second"] > 0 and summary["peak_rss_mb"] > 0
     assert len(summary["block_selection_counts"]) == 4 and sum(summary["block_selection_counts"]) == 4  # k=1 of 4
     for key in ("val/loss", "val/ppl", "val/token_acc"):
@@ -82,6 +95,7 @@ def test_pydoc_run_with_int4_mebp(tmp_path: Path) -> None:
     summary = _run(["task=pydoc", "task.max_eval_examples=4", "mebp=int4", "module.chunked_loss=true", "policy=full"], out)
     assert summary["final_metrics"]["val/loss"] > 0
     assert summary["block_selection_counts"] == [4, 4, 4, 4]
+    assert {"mebp/decompress_fwd_ms", "mebp/decompress_bwd_ms"} <= _tensorboard_tags(out)
 
 
 # ------------------------------------------------------------------------------------ bad input
