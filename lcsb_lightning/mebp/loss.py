@@ -2,8 +2,9 @@
 
 Tokens are processed ``chunk_size`` at a time. For a frozen ``nn.Linear`` head (a
 ``CompressedLinear`` included) each chunk streams over the vocabulary in row blocks with an online
-log-sum-exp, so not even one token chunk's full-vocabulary logits exist, and the head's weight is
-decompressed once per chunk in forward and once in backward, which recomputes the block logits.
+log-sum-exp that also accumulates the input gradient, so not even one token chunk's
+full-vocabulary logits exist, nothing is recomputed in backward and the head's weight is
+decompressed once per chunk.
 Any other head (a callable, or one with trainable parameters) runs per chunk under a non-reentrant
 checkpoint, so its logits are recomputed in backward.
 """
@@ -42,40 +43,47 @@ def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[
 
 
 class _StreamingLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks."""
+    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks.
+
+    One pass: per block, the logits update an online log-sum-exp and, when a gradient is needed,
+    ``sum_v exp(z_v - m) W_v`` (rescaled whenever the running max ``m`` grows), so the input
+    gradient ``softmax(z) W - W_y`` is ready at the end of the forward. The head's weight is
+    decompressed once and its matmul runs twice per step (logits, gradient), as without chunking.
+    """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, ignore_index: int) -> torch.Tensor:
         hidden = hidden.float()
+        need_grad = ctx.needs_input_grad[0]
         rows_n = hidden.shape[0]
         running_max = hidden.new_full((rows_n,), float("-inf"))
         running_sum = hidden.new_zeros(rows_n)
         target = hidden.new_zeros(rows_n)
+        weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) W_v
+        target_rows = torch.zeros_like(hidden) if need_grad else None  # W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
             logits = F.linear(hidden, weight, bias)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+            rescale = torch.exp(running_max - new_max)
+            exp_logits = torch.exp(logits - new_max[:, None])
+            running_sum = running_sum * rescale + exp_logits.sum(1)
             running_max = new_max
-            inside = (labels >= rows.start) & (labels < rows.stop)
+            inside = ((labels >= rows.start) & (labels < rows.stop)).nonzero().squeeze(1)
             target[inside] = logits[inside, labels[inside] - rows.start]
+            if weighted is not None and target_rows is not None:
+                weighted.mul_(rescale[:, None]).addmm_(exp_logits, weight)
+                target_rows[inside] = weight[labels[inside] - rows.start]
         lse = running_max + torch.log(running_sum)
-        valid = labels != ignore_index
-        ctx.save_for_backward(hidden, labels, lse)
-        ctx.head = head
-        ctx.ignore_index = ignore_index
+        valid = (labels != ignore_index).to(hidden.dtype)
+        if weighted is not None and target_rows is not None:
+            grad_hidden = (weighted / running_sum[:, None] - target_rows) * valid[:, None]
+            ctx.save_for_backward(grad_hidden)
         return ((lse - target) * valid).sum()
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        hidden, labels, lse = ctx.saved_tensors
-        scale = (labels != ctx.ignore_index).to(hidden.dtype) * grad_loss
-        grad_hidden = torch.zeros_like(hidden)
-        for rows, weight, bias in _weight_blocks(ctx.head, hidden.dtype, "backward"):
-            probs = torch.exp(F.linear(hidden, weight, bias) - lse[:, None])  # recomputed block logits
-            inside = ((labels >= rows.start) & (labels < rows.stop)).nonzero().squeeze(1)
-            probs[inside, labels[inside] - rows.start] -= 1.0
-            grad_hidden.addmm_(probs.mul_(scale[:, None]), weight)
-        return grad_hidden, None, None, None
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss, None, None, None
 
 
 def _chunk_loss(
@@ -99,9 +107,10 @@ def chunked_lm_loss(
 ) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
-    Each chunk's logits are computed, reduced to a summed loss and dropped; backward recomputes them,
-    so full-vocabulary logits for the whole sequence never exist (for a frozen ``nn.Linear`` head
-    they are streamed over vocabulary blocks too). The result equals
+    Each chunk's logits are computed, reduced to a summed loss and dropped, so full-vocabulary
+    logits for the whole sequence never exist. For a frozen ``nn.Linear`` head they are streamed
+    over vocabulary blocks and the chunk's input gradient is accumulated in the same pass; any
+    other head is checkpointed per chunk and its logits are recomputed in backward. The result equals
     ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift.
 
     Args:
