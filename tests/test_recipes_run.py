@@ -12,7 +12,7 @@ from peft import PeftModel
 
 from _recipes_utils import FAST, compose_cfg, one_thread, write_cls, write_qa, write_text  # noqa: F401
 from lcsb_lightning.recipes.metrics import LanguageModelMetrics
-from lcsb_lightning.recipes.tasks import collate
+from lcsb_lightning.recipes.batching import collate
 from lcsb_lightning.recipes.train import run_finetune
 
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
+from lcsb_lightning.recipes.batching import IGNORE, Example
 from lcsb_lightning.recipes.data_io import (
     check_fields,
     column_name,
@@ -28,8 +27,6 @@ from lcsb_lightning.recipes.data_io import (
     require_file,
 )
 
-IGNORE = -100
-Example = dict[str, Any]
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -391,26 +388,3 @@ class ClassificationTask(Task):
                 raise ValueError(f"the {name} file of the classification task holds no rows")
             out[name] = examples
         return TaskData(train=out["train"], eval=out["eval"])
-
-
-def collate(batch: list[Example], pad_id: int) -> dict[str, Any]:
-    """Right-pad ``input_ids``/``labels`` into tensors with an ``attention_mask``; keep other keys as lists.
-
-    Args:
-        batch: Examples from :meth:`Task.build`.
-        pad_id: The tokenizer's pad token id.
-    """
-    width = max(len(ex["input_ids"]) for ex in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, ex in enumerate(batch):
-        n = len(ex["input_ids"])
-        ids[i, :n] = torch.tensor(ex["input_ids"])
-        labels[i, :n] = torch.tensor(ex["labels"])
-        mask[i, :n] = 1
-    out: dict[str, Any] = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    for key in batch[0]:
-        if key not in out:
-            out[key] = [ex[key] for ex in batch]
-    return out

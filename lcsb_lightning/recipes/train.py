@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb, save_adapter
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer
-from lcsb_lightning.recipes.tasks import collate
+from lcsb_lightning.recipes.batching import collate
 
 log = logging.getLogger(__name__)
 
