@@ -83,7 +83,7 @@ def selection_heatmap(results: Sequence[Mapping[str, Any]], path: Path, max_step
         for step, blocks in enumerate(sel):
             for b in blocks:
                 grid[b][step] = 1.0
-        ax.imshow(grid, aspect="auto", cmap="Greys", interpolation="nearest", origin="lower")
+        ax.imshow(grid, aspect="auto", cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest", origin="lower")
         ax.set(title=r["labels"]["arm"], xlabel="step", ylabel="block")
         ax.title.set_fontsize(8)
     return _save(fig, path)
