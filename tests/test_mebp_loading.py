@@ -132,3 +132,16 @@ def test_real_smollm2_gguf_matches_transformers_loader() -> None:
     ids = torch.randint(0, ours.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_random_init_keeps_buffers_computed_in_init_gemma3() -> None:
+    """Gemma3's scaled embedding holds a parameter and a buffer (embed_scale): the buffer must be real."""
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = load_compressed(config, fmt="int4", checkpoint=False)
+    assert not [n for n, b in model.named_buffers() if b.is_meta]
+    assert model.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
+    logits = model(torch.randint(0, 128, (1, 8))).logits
+    assert logits.shape == (1, 8, 128) and torch.isfinite(logits).all()

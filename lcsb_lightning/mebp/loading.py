@@ -29,23 +29,14 @@ Source = Union[str, os.PathLike, Any]  # a folder, a .gguf path, or a transforme
 
 
 def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The model with every parameter on the meta device and every buffer real (rotary ``inv_freq``,
+    Gemma's ``embed_scale``: small, computed in ``__init__`` and in no checkpoint)."""
+    from accelerate import init_empty_weights  # a dependency of peft
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # Buffers computed in __init__ (rotary inv_freq) are rebuilt on CPU by re-instantiating their module.
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)) and not any(
-            p.is_meta for p in module.parameters(recurse=False)
-        ):
-            try:
-                rebuilt = type(module)(config=getattr(module, "config", config))
-            except TypeError as err:
-                raise NotImplementedError(
-                    f"load_compressed cannot rebuild the buffers of `{name}` ({type(module).__name__})."
-                ) from err
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, rebuilt)
+    model.tie_weights()  # the context re-creates re-assigned parameters, which unties them
     return model.eval()
 
 
