@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
+
+from lcsb_lightning.recipes.progress import StepTimer
 
 
 def _scalar(value: Any) -> float:
@@ -47,7 +47,7 @@ def evaluate(module: LightningModule, loader: Any) -> dict[str, float]:
     return out
 
 
-class CurveRecorder(Callback):
+class CurveRecorder(StepTimer):
     """Records every optimizer step's training loss and cumulative train time, and evaluates mid-fit.
 
     Train time is the sum of the batches' wall time (forward, backward, optimizer step), so the
@@ -67,6 +67,7 @@ class CurveRecorder(Callback):
     ) -> None:
         if budget_seconds is not None and not budget_seconds > 0:
             raise ValueError(f"budget_seconds must be positive, got {budget_seconds}")
+        super().__init__()
         self.eval_steps = sorted({int(s) for s in eval_steps})
         self.budget_seconds = budget_seconds
         self.min_steps = min_steps
@@ -76,19 +77,18 @@ class CurveRecorder(Callback):
         self.selections: list[list[int]] = []
         self.evals: list[dict[str, Any]] = []
         self.budget_eval: dict[str, Any] | None = None
-        self.train_seconds = 0.0
-        self._t0: float | None = None
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
+    @property
+    def train_seconds(self) -> float:
+        """Summed wall time of the training batches so far (evaluations excluded)."""
+        return self.total_seconds
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._t0 is None:
             return
-        self.train_seconds += time.perf_counter() - self._t0
-        self._t0 = None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = int(trainer.global_step)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.steps.append(step)
