@@ -14,8 +14,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from lcsb_lightning.forward_wrap import unwrap_forward, wrap_forward
+
 #: Attribute set on each managed block; other wrappers (QuantizedMeBP's checkpointing) read it.
 SKIP_ATTR = "_lcsb_skipped"
+_WRAPPER_MARKER = "_lcsb_identity_path"
 
 
 class IdentityPath(torch.autograd.Function):
@@ -74,6 +77,8 @@ class SelectiveBackprop:
     Example::
 
         >>> from torch import nn
+
+from lcsb_lightning.forward_wrap import unwrap_forward, wrap_forward
         >>> blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
         >>> sb = SelectiveBackprop(blocks)
         >>> sb.set_selection([1])
@@ -92,20 +97,18 @@ class SelectiveBackprop:
             self._install(block)
 
     def _install(self, block: nn.Module) -> None:
-        inner: Callable[..., Any] = block.forward  # bound; may itself be an instance-level wrapper
-        had_instance_forward = "forward" in vars(block)
+        def make_wrapper(inner: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                if not (getattr(block, SKIP_ATTR) and torch.is_grad_enabled()):
+                    return inner(*args, **kwargs)
+                hidden_in = _hidden_input(args, kwargs)
+                with torch.no_grad():
+                    output = inner(*args, **kwargs)
+                return identity_path_output(hidden_in, output)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not (getattr(block, SKIP_ATTR) and torch.is_grad_enabled()):
-                return inner(*args, **kwargs)
-            hidden_in = _hidden_input(args, kwargs)
-            with torch.no_grad():
-                output = inner(*args, **kwargs)
-            return identity_path_output(hidden_in, output)
+            return forward
 
-        forward._lcsb_inner = inner  # type: ignore[attr-defined]
-        forward._lcsb_had_instance_forward = had_instance_forward  # type: ignore[attr-defined]
-        block.forward = forward  # type: ignore[method-assign]
+        wrap_forward(block, make_wrapper, _WRAPPER_MARKER)
         setattr(block, SKIP_ATTR, False)
         self._installed.append(block)
 
@@ -122,12 +125,7 @@ class SelectiveBackprop:
     def remove(self) -> None:
         """Restore the blocks' original forwards."""
         for block in self._installed:
-            wrapper = vars(block).get("forward")
-            if wrapper is not None and hasattr(wrapper, "_lcsb_inner"):
-                if wrapper._lcsb_had_instance_forward:
-                    block.forward = wrapper._lcsb_inner  # type: ignore[method-assign]
-                else:
-                    del block.forward
+            unwrap_forward(block, _WRAPPER_MARKER)
             if SKIP_ATTR in vars(block):
                 delattr(block, SKIP_ATTR)
         self._installed.clear()

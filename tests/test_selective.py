@@ -174,3 +174,18 @@ def test_identity_path_on_hf_architectures(arch: str) -> None:
     assert trained and all(".h.1." in n or ".layers.1." in n for n in trained)
     for name in trained:  # the surrogate's h + (o - h) rounds differently from o: a looser tolerance
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_stacked_forward_wrappers_unwind_to_the_original() -> None:
+    """LCSB over QuantizedMeBP's block wrapper (one shared mechanism): removal restores each layer."""
+    from lcsb_lightning.forward_wrap import has_wrapper
+    from lcsb_lightning.mebp.checkpoint import WRAPPER_ATTR, install_block_wrappers, remove_block_wrappers
+
+    blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    install_block_wrappers(blocks, checkpoint_blocks=True)
+    selective = SelectiveBackprop(blocks)
+    assert not has_wrapper(blocks[0], WRAPPER_ATTR)  # LCSB's wrapper is outermost now
+    selective.remove()
+    assert has_wrapper(blocks[0], WRAPPER_ATTR)
+    remove_block_wrappers(blocks)
+    assert all("forward" not in vars(b) for b in blocks)

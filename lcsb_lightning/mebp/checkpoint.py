@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lcsb_lightning.forward_wrap import has_wrapper, unwrap_forward, wrap_forward
 from lcsb_lightning.mebp.stats import STATS, checkpoint_scope
 from lcsb_lightning.selective import is_skipped
 
 #: Marker attribute on an installed wrapper.
-WRAPPER_ATTR = "_mebp_inner"
+WRAPPER_ATTR = "_mebp_block_wrapper"
 #: Cache keyword arguments that cannot be replayed by a recompute (as in transformers' own checkpointing).
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -53,7 +54,7 @@ def install_block_wrappers(
         >>> remove_block_wrappers(blocks)
     """
     for block in blocks:
-        if WRAPPER_ATTR in getattr(vars(block).get("forward"), "__dict__", {}):
+        if has_wrapper(block, WRAPPER_ATTR):
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block wrapper installed.")
         _install(block, checkpoint_blocks, saved_tensors_context)
 
@@ -63,47 +64,39 @@ def _install(
     checkpoint_blocks: bool,
     saved_tensors_context: Callable[[], ContextManager[Any]] | None,
 ) -> None:
-    inner: Callable[..., Any] = block.forward
-    had_instance_forward = "forward" in vars(block)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or is_skipped(block):
-            return inner(*args, **kwargs)
-        context = saved_tensors_context() if saved_tensors_context is not None else contextlib.nullcontext()
-        if not checkpoint_blocks:
-            with context:
+    def make_wrapper(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or is_skipped(block):
                 return inner(*args, **kwargs)
-        for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
-        calls = [0]
-        device = _first_device(args, kwargs)
+            context = saved_tensors_context() if saved_tensors_context is not None else contextlib.nullcontext()
+            if not checkpoint_blocks:
+                with context:
+                    return inner(*args, **kwargs)
+            for name in _CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            calls = [0]
+            device = _first_device(args, kwargs)
 
-        def run(*run_args: Any, **run_kwargs: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                with checkpoint_scope(recompute=False):
+            def run(*run_args: Any, **run_kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 1:
+                    with checkpoint_scope(recompute=False):
+                        return inner(*run_args, **run_kwargs)
+                with checkpoint_scope(recompute=True), STATS.time_recompute(device):
                     return inner(*run_args, **run_kwargs)
-            with checkpoint_scope(recompute=True), STATS.time_recompute(device):
-                return inner(*run_args, **run_kwargs)
 
-        with context:
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            with context:
+                return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
-    setattr(forward, WRAPPER_ATTR, inner)
-    forward._mebp_had_instance_forward = had_instance_forward  # type: ignore[attr-defined]
-    block.forward = forward  # type: ignore[method-assign]
+        return forward
+
+    wrap_forward(block, make_wrapper, WRAPPER_ATTR)
 
 
 def remove_block_wrappers(blocks: Sequence[nn.Module]) -> None:
     """Undo :func:`install_block_wrappers` where QuantizedMeBP's wrapper is the outermost forward."""
     for block in blocks:
-        wrapper = vars(block).get("forward")
-        if wrapper is None or not hasattr(wrapper, WRAPPER_ATTR):
-            continue
-        if wrapper._mebp_had_instance_forward:
-            block.forward = getattr(wrapper, WRAPPER_ATTR)  # type: ignore[method-assign]
-        else:
-            del block.forward
+        unwrap_forward(block, WRAPPER_ATTR)
