@@ -86,6 +86,15 @@ class _CompressedWeight:
     scales: torch.Tensor
     decompress_count: dict[str, int]
 
+    def _store(self, packed: Packed, fmt: str, group_size: int) -> None:
+        """Keep the codes and scales as non-persistent buffers (rebuilt from the source weights)."""
+        assert isinstance(self, nn.Module)
+        self.fmt = fmt
+        self.group_size = group_size
+        self.register_buffer("weight", packed.codes, persistent=False)
+        self.register_buffer("scales", packed.scales, persistent=False)
+        self.decompress_count = {"forward": 0, "backward": 0}
+
     def packed(self, rows: torch.Tensor | slice | None = None) -> Packed:
         full = Packed(self.weight, self.scales)
         return full if rows is None else select_rows(full, rows)
@@ -127,13 +136,9 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         nn.Module.__init__(self)
         self.in_features = in_features
         self.out_features = out_features
-        self.fmt = fmt
-        self.group_size = group_size
         self.max_chunk_elements = max_chunk_elements
-        self.register_buffer("weight", packed.codes, persistent=False)
-        self.register_buffer("scales", packed.scales, persistent=False)
+        self._store(packed, fmt, group_size)
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
-        self.decompress_count = {"forward": 0, "backward": 0}
 
     @classmethod
     def from_linear(
@@ -181,11 +186,7 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         self.num_embeddings, half = packed.codes.shape
         self.embedding_dim = half * 2
         self.padding_idx = padding_idx
-        self.fmt = fmt
-        self.group_size = group_size
-        self.register_buffer("weight", packed.codes, persistent=False)
-        self.register_buffer("scales", packed.scales, persistent=False)
-        self.decompress_count = {"forward": 0, "backward": 0}
+        self._store(packed, fmt, group_size)
 
     @classmethod
     def from_embedding(

@@ -11,7 +11,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -74,15 +74,11 @@ class MeBPStats:
         self.decompress_ms[phase] += ms
         self.decompress_count[phase] += 1
 
-    @contextlib.contextmanager
-    def time_recompute(self, device: torch.device) -> Iterator[None]:
-        _sync(device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            _sync(device)
-            self.recompute_ms += (time.perf_counter() - start) * 1e3
+    def add_recompute(self, ms: float) -> None:
+        self.recompute_ms += ms
+
+    def time_recompute(self, device: torch.device) -> ContextManager[None]:
+        return _timed_ms(device, self.add_recompute)
 
     def as_dict(self) -> dict[str, float]:
         """Metrics named ``mebp/...``; ``decompress_share_bwd`` only once a backward was timed."""
@@ -109,10 +105,17 @@ def time_decompress(phase: str, device: torch.device) -> Iterator[None]:
     if not STATS.enabled:
         yield
         return
+    with _timed_ms(device, lambda ms: STATS.add_decompress(phase, ms)):
+        yield
+
+
+@contextlib.contextmanager
+def _timed_ms(device: torch.device, record: Callable[[float], None]) -> Iterator[None]:
+    """Pass the block's wall time in milliseconds to ``record`` (device-synchronised on both ends)."""
     _sync(device)
     start = time.perf_counter()
     try:
         yield
     finally:
         _sync(device)
-        STATS.add_decompress(phase, (time.perf_counter() - start) * 1e3)
+        record((time.perf_counter() - start) * 1e3)
