@@ -171,9 +171,11 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
     return BlockParams(found, params_per_block, names_per_block, outside)
 
 
-def grad_norm(params: list[torch.Tensor]) -> float:
-    """L2 norm of the gradients of ``params`` (0.0 when none has a gradient)."""
-    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(grads)))
+def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
+    """L2 norm of each block's gradients (0.0 for a block without any), read back in one transfer."""
+    norms = []
+    for params in params_per_block:
+        grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+        device = params[0].device if params else torch.device("cpu")
+        norms.append(torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros((), device=device))
+    return torch.stack(norms).tolist() if norms else []  # one device sync, not one per block

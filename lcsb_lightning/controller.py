@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norm, map_trainable_params
+from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params
 from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.selective import SelectiveBackprop
 
@@ -98,7 +98,8 @@ class LCSBController:
         norms = None
         if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
             self.observed_at_step = self.selected_at_step
-            norms = {i: grad_norm(self.block_params.params_per_block[i]) for i in self.selection}
+            values = grad_norms([self.block_params.params_per_block[i] for i in self.selection])
+            norms = dict(zip(self.selection, values))
             self.policy.observe(norms)
         chosen = set(self.selection)
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
