@@ -171,11 +171,18 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
     return BlockParams(found, params_per_block, names_per_block, outside)
 
 
+def _local_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The full tensor's L2 norm, also for a sharded DTensor gradient (FSDP2: a collective on every rank)."""
+    norm = grad.detach().float().norm()
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
+
+
 def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
     """L2 norm of each block's gradients (0.0 for a block without any), read back in one transfer."""
     norms = []
     for params in params_per_block:
-        grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+        grads = [_local_norm(p.grad) for p in params if p.grad is not None]
         device = params[0].device if params else torch.device("cpu")
         norms.append(torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros((), device=device))
     return torch.stack(norms).tolist() if norms else []  # one device sync, not one per block

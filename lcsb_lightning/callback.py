@@ -109,14 +109,28 @@ class LCSBCallback(Callback):
 
     # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._release()
+        if stage == "fit":
+            self._release()  # a previous fit that was interrupted before its teardown
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
+        # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.momentum, self.blocks)
         self._history = []
-        if self._pending_state is not None:
-            self._apply_state(self._pending_state)
-            self._pending_state = None
+        try:
+            if self._pending_state is not None:
+                self._apply_state(self._pending_state)
+                self._pending_state = None
+            missing = self.controller.missing_from(trainer.optimizers)
+            if missing:
+                raise ValueError(
+                    f"{len(missing)} trainable block parameters are in no optimizer param group "
+                    f"(e.g. {', '.join(missing[:3])}). LCSB never rebuilds param groups: build the optimizer "
+                    "in `configure_optimizers` from every trainable parameter."
+                )
+        except BaseException:
+            self._release()
+            raise
         outside = self.controller.block_params.outside
         if outside:
             rank_zero_info(
@@ -127,17 +141,6 @@ class LCSBCallback(Callback):
             f"LCSB: {self.policy!r} over {self.num_blocks} blocks, k={self.policy.k}, "
             f"backward={self.backward}, momentum={self.momentum}."
         )
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        assert self.controller is not None
-        missing = self.controller.missing_from(trainer.optimizers)
-        if missing:
-            raise ValueError(
-                f"{len(missing)} trainable block parameters are in no optimizer param group "
-                f"(e.g. {', '.join(missing[:3])}). LCSB never rebuilds param groups: build the optimizer in "
-                "`configure_optimizers` from every trainable parameter (LCSB only toggles requires_grad "
-                "after it has run)."
-            )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -157,10 +160,13 @@ class LCSBCallback(Callback):
         selection = self.controller.begin_step(trainer.global_step, trainer.optimizers)
         if selection is None:
             return
-        self._history.append(selection)
         pl_module.log("lcsb/num_selected", float(len(selection)), on_step=True, on_epoch=False)
-        if self.log_every_n_steps and len(self._history) >= self.log_every_n_steps:
+        if not self.log_every_n_steps:
+            return
+        self._history.append(selection)
+        if len(self._history) >= self.log_every_n_steps:
             self._log_selection_image(trainer, trainer.global_step)
+            self._history = []  # on every rank, so the history stays bounded everywhere
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         assert self.controller is not None
@@ -173,7 +179,6 @@ class LCSBCallback(Callback):
     @rank_zero_only
     def _log_selection_image(self, trainer: Trainer, step: int) -> None:
         image = selection_image(self._history, self.num_blocks)
-        self._history = []
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):  # TensorBoard's SummaryWriter

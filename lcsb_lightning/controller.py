@@ -25,11 +25,16 @@ def validate_modes(backward: str, momentum: str) -> None:
 
 
 class LCSBController:
-    """Selects blocks per optimizer step and prepares parameters and gradients accordingly.
+    """Selects blocks per optimizer step and prepares the forward pass and the gradients accordingly.
 
     Call :meth:`begin_step` before the forward pass of each optimizer step (repeat calls with the
     same step are no-ops, as under gradient accumulation) and :meth:`before_optimizer_step` after
     backward and gradient synchronisation. :meth:`release` restores the model.
+
+    ``requires_grad`` is never changed: blocks outside the selection are cut out of the graph by
+    :class:`~lcsb_lightning.selective.SelectiveBackprop` and their trainable parameters receive an
+    exact zero gradient in backward, so every parameter gets a gradient at every step (plain DDP works)
+    and the optimizer's param groups stay as ``configure_optimizers`` built them.
 
     Example::
 
@@ -59,7 +64,9 @@ class LCSBController:
         self.selection_counts = [0] * self.block_params.num_blocks
         self.selected_at_step = -1
         self.observed_at_step = -1
-        self.selective = SelectiveBackprop(self.block_params.blocks) if backward == "identity" else None
+        self.selective: SelectiveBackprop | None = SelectiveBackprop(
+            self.block_params.blocks, self.block_params.params_per_block, backward
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -77,9 +84,6 @@ class LCSBController:
             return None
         previous, selection = self.selection, self.policy.select(step)
         chosen = set(selection)
-        for index, params in enumerate(self.block_params.params_per_block):
-            for p in params:
-                p.requires_grad_(index in chosen)
         if self.selective is not None:
             self.selective.set_selection(selection)
         if self.momentum == "reset":
@@ -94,7 +98,7 @@ class LCSBController:
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Feed the policy the selected blocks' gradient norms (once per step; returned, else ``None``),
-        then give non-selected parameters a zero gradient (``implicit``) or none (``skip``/``reset``)."""
+        then leave non-selected parameters a zero gradient (``implicit``) or none (``skip``/``reset``)."""
         norms = None
         if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
             self.observed_at_step = self.selected_at_step
@@ -103,18 +107,25 @@ class LCSBController:
             self.policy.observe(norms)
         chosen = set(self.selection)
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # Identity-path blocks already hold exact zeros; "exact" ones a gradient passed through them
+        # may have computed, which is not theirs to use this step.
+        known_zero = self.backward == "identity"
         for index, params in enumerate(self.block_params.params_per_block):
             if index in chosen:
                 continue
             for p in params:
-                if id(p) in in_optimizer:
-                    p.grad = torch.zeros_like(p) if self.momentum == "implicit" else None
+                if id(p) not in in_optimizer:
+                    continue
+                if self.momentum != "implicit":
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif not known_zero:
+                    p.grad.zero_()
         return norms
 
     def release(self) -> None:
-        """Leave the model as found: every managed parameter trainable, original forwards back."""
-        for p in self.block_params.all_block_params():
-            p.requires_grad_(True)
+        """Leave the model as found: the forwards that were there before (idempotent)."""
         if self.selective is not None:
             self.selective.remove()
             self.selective = None

@@ -51,7 +51,7 @@ def test_momentum_modes(residual_net, momentum: str) -> None:
     block0_params = list(model.model.stack[0].parameters())
     has_state = [p in optimizer_state and len(optimizer_state[p]) > 0 for p in block0_params]
     assert all(has_state) == (momentum != "reset")
-    assert not any(has_state) == (momentum == "reset")
+    assert (not any(has_state)) == (momentum == "reset")
     # the model is left as found
     assert all(p.requires_grad for p in model.model.stack.parameters())
     assert all("forward" not in vars(b) for b in model.model.stack)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -97,16 +97,53 @@ def test_fit_converts_trains_and_logs_decompression_times(tmp_path: Path) -> Non
     assert "model.base_model.model.lm_head.weight" in ignored and len(ignored) == 2 * (4 * 7 + 2)
 
 
-def test_plugin_composes_with_lcsb_callback(tmp_path: Path) -> None:
+class BlockGrads(Callback):
+    """Per block: backward decompressions of its compressed Linears and whether its LoRA got a gradient."""
+
+    def __init__(self) -> None:
+        self.backward_counts: list[int] = []
+        self.lora_grad: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        for layer in pl_module.model.base_model.model.model.layers:
+            linears = [m for m in layer.modules() if isinstance(m, CompressedLinear)]
+            self.backward_counts.append(sum(m.decompress_count["backward"] for m in linears))
+            self.lora_grad.append(any(p.grad is not None and bool(p.grad.any()) for n, p in layer.named_parameters() if "lora_" in n))
+
+
+@pytest.mark.parametrize("plugin_first", [True, False])
+def test_plugin_composes_with_lcsb_callback(tmp_path: Path, plugin_first: bool) -> None:
     from lcsb_lightning.callback import LCSBCallback
 
+    torch.manual_seed(0)
     module = LoraModule()
+    for name, p in module.named_parameters():  # non-zero LoRA B: every selected LoRA weight gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
     plugin = QuantizedMeBP(fmt="int4", group_size=32)
-    lcsb = LCSBCallback(policy="cyclic", layers_per_step=1, backward="identity")
-    _trainer(tmp_path, plugin, max_steps=1, callbacks=[lcsb], enable_checkpointing=False).fit(module)
-    # one of four blocks back-propagated: its 7 Linears (at most) plus the LM head decompress in backward
-    assert plugin.last_metrics["mebp/decompress_bwd_count"] <= 7 + 1
+    if plugin_first:
+        plugin.convert_module(module)
+    reference = _eval_logits(module) if plugin_first else None
+    lcsb = LCSBCallback(policy="cyclic", layers_per_step=1, backward="identity", log_every_n_steps=0)
+    grads = BlockGrads()
+    _trainer(tmp_path, plugin, max_steps=1, callbacks=[lcsb, grads], enable_checkpointing=False).fit(module)
+    # block 0 is the one back-propagated: recomputed and decompressed once per Linear; the others never
+    assert grads.backward_counts == [7, 0, 0, 0]
+    assert grads.lora_grad == [True, False, False, False]
+    assert plugin.last_metrics["mebp/decompress_bwd_count"] == 7 + 1  # and the LM head's input gradient
     assert plugin.last_metrics["mebp/decompress_fwd_count"] == 4 * 7 + 2
+    after = _eval_logits(module)  # the model is usable after fit, in either install order
+    assert torch.isfinite(after).all()
+    if reference is not None:
+        assert not torch.equal(after, reference)  # and it trained
+
+
+def _eval_logits(module: LoraModule) -> torch.Tensor:
+    module.eval()
+    with torch.no_grad():
+        out = module.model(tokens(batch=2, seq=16)).logits
+    module.train()
+    return out
 
 
 def test_mmap_directory_empty_after_fit_and_after_resume(tmp_path: Path) -> None:

@@ -66,7 +66,14 @@ def test_lm_text_run_and_adapter_reload(tmp_path: Path) -> None:
     assert float(metric.compute()["loss"]) == pytest.approx(summary["final_metrics"]["val/loss"], abs=1e-4)
 
 
-def test_qa_jsonl_run(tmp_path: Path) -> None:
+def test_qa_jsonl_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.recipes.module import CausalLMModule
+
+    def generate_text(self: CausalLMModule, prompt_ids: list[int]) -> str:
+        # A stand-in for greedy generation: right on the first evaluation question (4 + 2), wrong on the rest.
+        return "4 + 2 = 6\n#### 6" if "What is 4 plus 2?" in self.tokenizer.decode(prompt_ids) else "#### 99"
+
+    monkeypatch.setattr(CausalLMModule, "generate_text", generate_text)
     train, evals = write_qa(tmp_path)
     out = tmp_path / "run"
     summary = _run(
@@ -75,7 +82,8 @@ def test_qa_jsonl_run(tmp_path: Path) -> None:
         out,
     )
     _assert_outputs(out, summary)
-    assert 0.0 <= summary["final_metrics"]["val/exact_match"] <= 1.0
+    assert summary["initial_metrics"]["val/exact_match"] == 0.5  # 1 of the 2 generated answers matches
+    assert summary["final_metrics"]["val/exact_match"] == 0.5
 
 
 def test_classification_run(tmp_path: Path) -> None:
@@ -87,7 +95,36 @@ def test_classification_run(tmp_path: Path) -> None:
         out,
     )
     assert (out / "adapter" / "adapter_config.json").is_file() and (out / "csv" / "metrics.csv").is_file()
-    assert 0.0 <= summary["final_metrics"]["val/accuracy"] <= 1.0
+    assert summary["final_metrics"]["val/accuracy"] == _verbalizer_accuracy(out, evals)
+
+
+def _verbalizer_accuracy(out: Path, evals: Path) -> float:
+    """The adapter's accuracy computed independently: the more likely of " bad" / " good" after each prompt."""
+    cfg = compose_cfg(FAST)
+    bundle = instantiate(cfg.model)
+    model = PeftModel.from_pretrained(bundle.model, str(out / "adapter")).eval()
+    tok = bundle.tokenizer
+    rows = [line.split("\t") for line in evals.read_text().splitlines()[1:]]
+    hits = 0
+    for text, label in rows:
+        prompt = tok(f"{text}\nLabel:", add_special_tokens=False).input_ids
+        scores = []
+        for word in (" bad", " good"):
+            ids = prompt + tok(word, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+            scores.append(sum(float(logp[i - 1, ids[i]]) for i in range(len(prompt), len(ids))))
+        hits += int(scores.index(max(scores)) == int(label))
+    return hits / len(rows)
+
+
+def test_int4_mebp_without_an_evaluation_before_fit_keeps_its_adapter(tmp_path: Path) -> None:
+    # The plugin converts the model inside fit, after LCSB's callback set-up: the final validation ran on
+    # a half-removed wrapper before, and the run lost its adapter and summary.
+    out = tmp_path / "run"
+    summary = _run(["task=pydoc", "task.max_eval_examples=4", "mebp=int4", "eval_before_training=false"], out)
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert summary["initial_metrics"] == {} and summary["final_metrics"]["val/loss"] > 0
 
 
 def test_pydoc_run_with_int4_mebp(tmp_path: Path) -> None:

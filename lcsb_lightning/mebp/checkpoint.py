@@ -1,10 +1,11 @@
 """Per-block gradient checkpointing that composes with LCSB's identity path.
 
-Each block gets an instance-level ``forward`` wrapper. With gradients enabled, a block that LCSB
-does not skip runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so backward
-recomputes it (decompressing its weights again). Under ``no_grad`` (evaluation, or a block LCSB
-skips when its wrapper sits outside this one) nothing is checkpointed; when this wrapper sits
-outside LCSB's, a skipped block is passed straight to LCSB's wrapper, which runs it without graph.
+Each block gets a :class:`CheckpointLayer` in its forward stack. With gradients enabled, a block that
+LCSB does not cut runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so backward
+recomputes it (decompressing its weights again). Under ``no_grad`` (evaluation, or a block LCSB cuts
+when its layer sits outside this one) nothing is checkpointed; when this layer sits outside LCSB's,
+a cut block is passed straight to LCSB's layer, which runs it without graph. The two layers compose
+in either order and come off in any order.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lcsb_lightning.forward_wrap import has_wrapper, unwrap_forward, wrap_forward
+from lcsb_lightning.forward_wrap import get_layer, install_layer, remove_layer
 from lcsb_lightning.mebp.stats import STATS, checkpoint_scope
-from lcsb_lightning.selective import is_skipped
+from lcsb_lightning.selective import cuts
 
-#: Marker attribute on an installed wrapper.
-WRAPPER_ATTR = "_mebp_block_wrapper"
+#: Name of QuantizedMeBP's layer in a block's forward stack.
+LAYER_NAME = "mebp_checkpoint"
 #: Cache keyword arguments that cannot be replayed by a recompute (as in transformers' own checkpointing).
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -33,19 +34,66 @@ def _first_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device
     return torch.device("cpu")
 
 
+class CheckpointLayer:
+    """QuantizedMeBP's forward layer on one block: checkpointing and/or a saved-tensor context.
+
+    Args:
+        checkpoint_blocks: Recompute the block in backward (non-reentrant checkpoint).
+        saved_tensors_context: Factory of a context (e.g. ``saved_tensors_hooks``) entered around a
+            back-propagated block's forward: with checkpointing it receives the block's checkpoint
+            inputs, without it every activation the block saves.
+    """
+
+    name = LAYER_NAME
+    persistent = True  # part of the converted model: copies and pickles keep it
+
+    def __init__(
+        self,
+        block: nn.Module,
+        checkpoint_blocks: bool,
+        saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
+    ) -> None:
+        self.block = block
+        self.checkpoint_blocks = checkpoint_blocks
+        self.saved_tensors_context = saved_tensors_context
+
+    def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
+            return inner(*args, **kwargs)
+        context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()
+        if not self.checkpoint_blocks:
+            with context:
+                return inner(*args, **kwargs)
+        for name in _CACHE_KWARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        with context:
+            return checkpoint(_Recompute(inner, _first_device(args, kwargs)), *args, use_reentrant=False, **kwargs)
+
+
+class _Recompute:
+    """The checkpointed function: its first call is the forward, later calls are backward recomputes."""
+
+    def __init__(self, inner: Callable[..., Any], device: torch.device) -> None:
+        self.inner, self.device, self.calls = inner, device, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            with checkpoint_scope(recompute=False):
+                return self.inner(*args, **kwargs)
+        with checkpoint_scope(recompute=True), STATS.time_recompute(self.device):
+            return self.inner(*args, **kwargs)
+
+
 def install_block_wrappers(
     blocks: Sequence[nn.Module],
     checkpoint_blocks: bool,
     saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
 ) -> None:
-    """Wrap each block's forward with checkpointing and/or a saved-tensor context (offload).
-
-    Args:
-        blocks: The transformer blocks, in order.
-        checkpoint_blocks: Recompute each back-propagated block in backward.
-        saved_tensors_context: Factory of a context (e.g. ``saved_tensors_hooks``) entered around a
-            back-propagated block's forward: with checkpointing it receives the block's checkpoint
-            inputs, without it every activation the block saves.
+    """Install a :class:`CheckpointLayer` on each block.
 
     Example::
 
@@ -54,49 +102,13 @@ def install_block_wrappers(
         >>> remove_block_wrappers(blocks)
     """
     for block in blocks:
-        if has_wrapper(block, WRAPPER_ATTR):
-            raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block wrapper installed.")
-        _install(block, checkpoint_blocks, saved_tensors_context)
-
-
-def _install(
-    block: nn.Module,
-    checkpoint_blocks: bool,
-    saved_tensors_context: Callable[[], ContextManager[Any]] | None,
-) -> None:
-    def make_wrapper(inner: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled() or is_skipped(block):
-                return inner(*args, **kwargs)
-            context = saved_tensors_context() if saved_tensors_context is not None else contextlib.nullcontext()
-            if not checkpoint_blocks:
-                with context:
-                    return inner(*args, **kwargs)
-            for name in _CACHE_KWARGS:
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
-            if kwargs.get("use_cache"):
-                kwargs["use_cache"] = False
-            calls = [0]
-            device = _first_device(args, kwargs)
-
-            def run(*run_args: Any, **run_kwargs: Any) -> Any:
-                calls[0] += 1
-                if calls[0] == 1:
-                    with checkpoint_scope(recompute=False):
-                        return inner(*run_args, **run_kwargs)
-                with checkpoint_scope(recompute=True), STATS.time_recompute(device):
-                    return inner(*run_args, **run_kwargs)
-
-            with context:
-                return checkpoint(run, *args, use_reentrant=False, **kwargs)
-
-        return forward
-
-    wrap_forward(block, make_wrapper, WRAPPER_ATTR)
+        if get_layer(block, LAYER_NAME) is not None:
+            raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block layer installed.")
+    for block in blocks:
+        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context))
 
 
 def remove_block_wrappers(blocks: Sequence[nn.Module]) -> None:
-    """Undo :func:`install_block_wrappers` where QuantizedMeBP's wrapper is the outermost forward."""
+    """Remove QuantizedMeBP's layer from each block (the others, LCSB's included, stay)."""
     for block in blocks:
-        unwrap_forward(block, WRAPPER_ATTR)
+        remove_layer(block, LAYER_NAME)
