@@ -138,10 +138,6 @@ class BlockParams:
     def all_block_params(self) -> list[nn.Parameter]:
         return [p for params in self.params_per_block for p in params]
 
-    def block_of(self) -> dict[int, int]:
-        """Map ``id(param)`` to its block index."""
-        return {id(p): i for i, params in enumerate(self.params_per_block) for p in params}
-
 
 def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> BlockParams:
     """Group the parameters that currently require grad by block.
@@ -171,18 +167,23 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
     return BlockParams(found, params_per_block, names_per_block, outside)
 
 
-def _local_norm(grad: torch.Tensor) -> torch.Tensor:
-    """The full tensor's L2 norm, also for a sharded DTensor gradient (FSDP2: a collective on every rank)."""
-    norm = grad.detach().float().norm()
+def _full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor's norm as a plain tensor (FSDP2: a collective on every rank)."""
     full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else norm
 
 
 def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
-    """L2 norm of each block's gradients (0.0 for a block without any), read back in one transfer."""
-    norms = []
-    for params in params_per_block:
-        grads = [_local_norm(p.grad) for p in params if p.grad is not None]
+    """L2 norm of each block's gradients (0.0 for a block without any): one fused norm kernel over all
+    gradients and one read-back, not one per parameter or block."""
+    grads = [[p.grad.detach() for p in params if p.grad is not None] for params in params_per_block]
+    flat = [g for block in grads for g in block]
+    if not flat:
+        return [0.0] * len(params_per_block)
+    norms = iter(torch._foreach_norm(flat))
+    per_block = []
+    for block, params in zip(grads, params_per_block):
+        parts = [_full_norm(next(norms)).float() for _ in block]
         device = params[0].device if params else torch.device("cpu")
-        norms.append(torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros((), device=device))
-    return torch.stack(norms).tolist() if norms else []  # one device sync, not one per block
+        per_block.append(torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), device=device))
+    return torch.stack(per_block).tolist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -12,14 +13,42 @@ from torch.optim import Optimizer
 from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
-from lcsb_lightning.selection_image import selection_image
+from lcsb_lightning.probe import ProbeResult, probe_gradients
+from lcsb_lightning.selection_image import probe_image, selection_image
+
+_PROBES_KEPT = 10_000
+
+
+#: Strategies whose parameter partitioning the zero-gradient path cannot serve, and what to use instead.
+_UNSUPPORTED_STRATEGIES = {
+    "DeepSpeedStrategy": "DeepSpeed partitions parameters outside autograd's view of them",
+}
+_UNTESTED_STRATEGIES = ("FSDPStrategy",)
+
+
+def _check_strategy(trainer: Trainer) -> None:
+    name = type(trainer.strategy).__name__
+    if name in _UNSUPPORTED_STRATEGIES:
+        raise ValueError(
+            f"LCSBCallback does not support `{name}` ({_UNSUPPORTED_STRATEGIES[name]}). Use `strategy=\"ddp\"` "
+            "(no find_unused_parameters needed) or `ModelParallelStrategy` with `fully_shard` (FSDP2)."
+        )
+    if name in _UNTESTED_STRATEGIES:
+        rank_zero_warn(
+            f"LCSBCallback under `{name}` (FSDP1) is tested only on CUDA machines (tests/test_fsdp.py); "
+            "`ModelParallelStrategy` with `fully_shard` (FSDP2) is tested on every machine."
+        )
 
 
 class LCSBCallback(Callback):
     r"""Back-propagate only a subset of transformer blocks at each optimizer step.
 
-    At each optimizer step the policy picks ``k`` of the model's ``N`` blocks. The trainable (LoRA)
-    parameters of those blocks get ``requires_grad=True``, the others ``False``.
+    At each optimizer step the policy picks ``k`` of the model's ``N`` blocks; the others are cut out
+    of the backward pass (see ``backward``) and their trainable (LoRA) parameters receive an exact zero
+    gradient. ``requires_grad`` is never changed, so the optimizer and the strategy see the trainable
+    set ``configure_optimizers`` saw. The callback installs itself in ``on_fit_start``, on the model as
+    Lightning trains it (after ``configure_model``, the precision plugin's conversion and the
+    strategy's wrapping), and removes itself when fit ends, fails or is interrupted.
 
     Args:
         policy: a registered policy name (``"cyclic"``, ``"random"``, ``"grad_norm"``, ``"full"``,
@@ -28,20 +57,28 @@ class LCSBCallback(Callback):
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
         backward: ``"identity"`` (the paper's): a non-selected block runs under ``no_grad`` and its
             output enters the graph with an identity Jacobian, so it costs no backward, no recompute
-            and no weight decompression. ``"exact"``: only ``requires_grad`` changes; selected
-            parameters get their exact full-backprop gradients.
-        momentum: ``"implicit"`` (the paper's): non-selected parameters get a zero gradient before the
-            optimizer step, so AdamW momentum and weight decay keep moving them. ``"skip"``: their
+            and no weight decompression. ``"exact"``: selected parameters get their exact full-backprop
+            gradients; the backward runs through every block above the lowest selected one and stops
+            there.
+        momentum: ``"implicit"`` (the paper's): non-selected parameters keep a zero gradient, so AdamW
+            momentum and weight decay keep moving them. ``"skip"``: their
             gradient stays ``None`` and the optimizer skips them (LISA). ``"reset"``: like ``"skip"``,
             and a block's optimizer state is dropped when it leaves the selection (BAdam).
         blocks: ``"auto"``, a dotted path to the block ``ModuleList`` or a callable ``model -> blocks``.
         switch_every: optimizer steps between re-selections.
         seed: seed of the policy's generator (ignored when ``policy`` is an instance).
         log_every_n_steps: optimizer steps between block-selection images (``0`` disables them).
+        probe_every: every this many optimizer steps (``0``: never), compute the exact gradient once
+            more on the same batch and log, per trained block, the cosine and the norm ratio of the
+            gradient the step used against it (``lcsb/probe/cos/block_NN``,
+            ``lcsb/probe/norm_ratio/block_NN`` and an image ``lcsb/probe``). It costs one more forward
+            and full backward on those steps; pick it coprime with the number of groups so that every
+            group gets probed. :attr:`probe_results` keeps the measurements.
 
     Multiple processes: every rank selects the same blocks (the policy state is seeded and the
-    gradient norms it observes are read after DDP's all-reduce). Under DDP, parameters of
-    non-selected blocks receive no gradient, so use ``strategy="ddp_find_unused_parameters_true"``.
+    gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets
+    a gradient at every step, so plain ``strategy="ddp"`` works without ``find_unused_parameters``;
+    ``ModelParallelStrategy`` with ``fully_shard`` (FSDP2) works too. DeepSpeed is refused at fit start.
 
     Example::
 
@@ -63,10 +100,12 @@ class LCSBCallback(Callback):
         switch_every: int = 1,
         seed: int = 0,
         log_every_n_steps: int = 50,
+        probe_every: int = 0,
     ) -> None:
         validate_modes(backward, momentum)
-        if isinstance(log_every_n_steps, bool) or int(log_every_n_steps) != log_every_n_steps or log_every_n_steps < 0:
-            raise ValueError(f"`log_every_n_steps` must be an integer >= 0, got {log_every_n_steps!r}.")
+        for name, value in (("log_every_n_steps", log_every_n_steps), ("probe_every", probe_every)):
+            if isinstance(value, bool) or int(value) != value or value < 0:
+                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
         if isinstance(policy, SelectionPolicy):
             if layers_per_step is not None or fraction is not None:
                 raise ValueError(
@@ -84,6 +123,9 @@ class LCSBCallback(Callback):
             raise TypeError(f"`policy` must be a name or a SelectionPolicy, got {type(policy).__name__}.")
         self.backward, self.momentum, self.blocks = backward, momentum, blocks
         self.log_every_n_steps = int(log_every_n_steps)
+        self.probe_every = int(probe_every)
+        self.probe_results: deque[ProbeResult] = deque(maxlen=_PROBES_KEPT)
+        self._probe_batch: tuple[Any, int] | None = None
         self.controller: LCSBController | None = None
         self._history: list[tuple[int, ...]] = []
         self._pending_state: dict[str, Any] | None = None
@@ -113,6 +155,7 @@ class LCSBCallback(Callback):
             self._release()  # a previous fit that was interrupted before its teardown
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _check_strategy(trainer)
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.momentum, self.blocks)
@@ -131,6 +174,12 @@ class LCSBCallback(Callback):
         except BaseException:
             self._release()
             raise
+        if self.probe_every and (trainer.accumulate_grad_batches > 1 or trainer.world_size > 1):
+            rank_zero_warn(
+                "LCSB's probe compares the step's gradient with the exact gradient of the last micro-batch "
+                "on this process; with gradient accumulation or several processes the two sum or average "
+                "different batches, so read its cosines as approximate."
+            )
         outside = self.controller.block_params.outside
         if outside:
             rank_zero_info(
@@ -157,6 +206,8 @@ class LCSBCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.controller is not None
         # global_step counts optimizer steps, so it is constant across an accumulation window
+        if self.probe_every and trainer.global_step % self.probe_every == 0:
+            self._probe_batch = (batch, batch_idx)
         selection = self.controller.begin_step(trainer.global_step, trainer.optimizers)
         if selection is None:
             return
@@ -170,24 +221,49 @@ class LCSBCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         assert self.controller is not None
+        if self._probe_batch is not None:
+            self._probe(trainer, pl_module, *self._probe_batch)
+            self._probe_batch = None
         norms = self.controller.before_optimizer_step(optimizer)
         if norms is not None:
             pl_module.log_dict(
                 {f"lcsb/grad_norm/block_{i:02d}": v for i, v in norms.items()}, on_step=True, on_epoch=False
             )
 
+    def _probe(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self.controller is not None
+
+        def exact_loss() -> Any:
+            with _logging_suppressed(pl_module):
+                out = pl_module.training_step(batch, batch_idx)
+            return out["loss"] if isinstance(out, dict) else out
+
+        result = probe_gradients(
+            trainer.global_step, self.controller.block_params.params_per_block, self.controller.selection,
+            exact_loss, self.controller.selective,
+        )
+        self.probe_results.append(result)
+        values = {f"lcsb/probe/cos/block_{i:02d}": v for i, v in result.cosine.items()}
+        values.update({f"lcsb/probe/norm_ratio/block_{i:02d}": v for i, v in result.norm_ratio.items()})
+        if values:
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
+        self._log_image(trainer, "lcsb/probe", probe_image(list(self.probe_results)[-64:], self.num_blocks), trainer.global_step)
+
     @rank_zero_only
     def _log_selection_image(self, trainer: Trainer, step: int) -> None:
-        image = selection_image(self._history, self.num_blocks)
+        self._log_image(trainer, "lcsb/selection", selection_image(self._history, self.num_blocks), step)
+
+    @rank_zero_only
+    def _log_image(self, trainer: Trainer, tag: str, image: Any, step: int) -> None:
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):  # TensorBoard's SummaryWriter
-                experiment.add_image("lcsb/selection", image, global_step=step, dataformats="HW")
+                experiment.add_image(tag, image, global_step=step, dataformats="HW")
             elif hasattr(logger, "log_image"):  # W&B, Neptune, ...
-                logger.log_image(key="lcsb/selection", images=[image.numpy()], step=step)
+                logger.log_image(key=tag, images=[image.numpy()], step=step)
             elif not self._image_unsupported_reported:
                 self._image_unsupported_reported = True
-                rank_zero_warn(f"{type(logger).__name__} cannot log images; the LCSB selection image is skipped.")
+                rank_zero_warn(f"{type(logger).__name__} cannot log images; LCSB's images ({tag}) are skipped.")
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -205,3 +281,16 @@ class LCSBCallback(Callback):
         assert self.controller is not None
         self.controller.load_state_dict(state)
         self._history = [tuple(s) for s in state["history"]]
+
+
+class _logging_suppressed:
+    """Makes ``self.log``/``self.log_dict`` no-ops while the probe re-runs ``training_step``."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.log = self.module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        del self.module.log, self.module.log_dict

@@ -12,7 +12,7 @@ from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_train
 from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.selective import SelectiveBackprop
 
-BACKWARD_MODES = ("identity", "exact")
+BACKWARD_MODES = ("identity", "exact", "truncated")
 MOMENTUM_MODES = ("implicit", "skip", "reset")
 
 
@@ -65,7 +65,7 @@ class LCSBController:
         self.selected_at_step = -1
         self.observed_at_step = -1
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
-            self.block_params.blocks, self.block_params.params_per_block, backward
+            self.block_params.blocks, self.block_params.params_per_block, "identity" if backward == "identity" else "exact"
         )
 
     @property
@@ -83,6 +83,10 @@ class LCSBController:
         if step == self.selected_at_step:
             return None
         previous, selection = self.selection, self.policy.select(step)
+        if self.backward == "truncated" and selection:
+            # The exact backward runs from the top down to the lowest selected block anyway; every block
+            # it passes gets its exact gradient almost for free (LoRA weight gradients are rank-r).
+            selection = tuple(range(min(selection), self.num_blocks))
         chosen = set(selection)
         if self.selective is not None:
             self.selective.set_selection(selection)

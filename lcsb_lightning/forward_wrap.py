@@ -87,6 +87,21 @@ def install_layer(module: nn.Module, layer: ForwardLayer) -> ForwardStack:
 
     Raises:
         RuntimeError: ``module`` already has a layer of that name.
+
+    Example::
+
+        >>> import torch
+        >>> class Double:
+        ...     name, persistent = "double", True
+        ...     def __call__(self, inner, *args, **kwargs):
+        ...         return 2 * inner(*args, **kwargs)
+        >>> linear = nn.Linear(2, 2)
+        >>> x = torch.ones(1, 2)
+        >>> _ = install_layer(linear, Double())
+        >>> bool(torch.equal(linear(x), 2 * type(linear).forward(linear, x)))
+        True
+        >>> remove_layer(linear, "double"), "forward" in vars(linear)
+        (True, False)
     """
     stack = forward_stack(module)
     if stack is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def tiny_config(num_layers: int = 4, tie: bool = True, vocab: int = 96):
@@ -29,7 +28,7 @@ def add_lora(model: nn.Module, seed: int = 1) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     for name, param in peft_model.named_parameters():  # non-zero B so that every LoRA weight gets a gradient
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from lcsb_lightning.recipes.cli import conf_dir
+from lcsb_lightning.recipes.cli import CONFIG_MODULE
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -46,7 +46,7 @@ def one_thread() -> Iterator[None]:
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
     """Compose ``conf/config.yaml`` with Hydra's compose API."""
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 

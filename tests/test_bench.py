@@ -1,25 +1,28 @@
-"""Pure pieces of the reproduction benchmark: arms, resume, divergence rule, tables, results files (seconds)."""
+"""Pure pieces of the benchmark: arms, results keyed by settings, divergence rule, tables, results files (seconds)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from lcsb_lightning.bench import report
 from lcsb_lightning.bench.runner import run_benchmark, validate
 from lcsb_lightning.bench.spec import (
-    RESULT_NAME, Arm, arm_dir, diverged, load_result, pending, quality_arms, slug, stability_arms,
+    RESULT_NAME, Arm, arm_dir, diverged, finetune_arms, load_result, settings_hash, slug, stability_arms,
 )
-from lcsb_lightning.recipes.cli import benchmark_main, conf_dir
+from lcsb_lightning.recipes.cli import CONFIG_MODULE
 
 
 def bench_cfg(name: str) -> Any:
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
 
 
@@ -27,7 +30,7 @@ QUALITY = {
     "model": "tiny", "tasks": ["t1", "t2"], "seed": 0, "steps": 4, "common": ["experiment=paper"],
     "task_overrides": {"t2": ["seq_len=99"]},
     "arms": {
-        "lcsb": {"baseline": "full", "overrides": ["policy=cyclic"]},
+        "lcsb": {"baseline": "full", "wallclock": True, "overrides": ["policy=cyclic"]},
         "full": {"baseline": None, "overrides": ["policy=full"]},
     },
 }
@@ -36,19 +39,20 @@ STABILITY = {"model": "tiny", "task": "t1", "steps": 3, "formats": ["nf4", "int4
 
 
 # ------------------------------------------------------------------------------------ arms
-def test_quality_arms_put_baselines_first_and_carry_overrides_in_order() -> None:
-    arms = quality_arms(QUALITY)
-    assert [a.name for a in arms] == ["t1__full", "t1__lcsb", "t2__full", "t2__lcsb"]
+def test_finetune_arms_put_baselines_first_and_add_wallclock_twins() -> None:
+    arms = finetune_arms("quality", QUALITY)
+    assert [a.name for a in arms] == ["t1__full", "t1__lcsb", "t1__lcsb__wallclock", "t2__full", "t2__lcsb", "t2__lcsb__wallclock"]
     assert arms[1].baseline == "t1__full" and arms[0].baseline is None
-    assert arms[3].overrides == ("model=tiny", "task=t2", "seed=0", "experiment=paper", "seq_len=99", "policy=cyclic")
+    assert arms[2].wallclock_of == "t1__lcsb" and arms[2].labels["run"] == "wallclock" and arms[2].baseline == "t1__full"
+    assert arms[4].overrides == ("model=tiny", "task=t2", "seed=0", "experiment=paper", "seq_len=99", "policy=cyclic")
 
 
-def test_quality_arms_reject_unknown_baseline_and_task_override() -> None:
+def test_finetune_arms_reject_unknown_baseline_and_task_override() -> None:
     bad = {**QUALITY, "arms": {"lcsb": {"baseline": "nope", "overrides": []}}}
     with pytest.raises(ValueError, match="baseline 'nope' is not an arm"):
-        quality_arms(bad)
+        finetune_arms("quality", bad)
     with pytest.raises(ValueError, match="task_overrides for tasks not in"):
-        quality_arms({**QUALITY, "task_overrides": {"t9": []}})
+        finetune_arms("quality", {**QUALITY, "task_overrides": {"t9": []}})
 
 
 def test_stability_arms_cover_the_grid() -> None:
@@ -64,23 +68,40 @@ def test_slug_is_folder_safe() -> None:
     assert slug("sst2", "cyclic n4", "lr/1") == "sst2__cyclic-n4__lr-1"
 
 
-def test_validate_rejects_unknown_study() -> None:
-    with pytest.raises(ValueError, match="subset of"):
-        validate({"studies": ["quality", "bogus"]})
+@pytest.mark.parametrize(("bench", "match"), [
+    ({"studies": ["quality", "bogus"]}, "subset of"),
+    ({"studies": ["quality"]}, "has no such section"),
+])
+def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate(bench)
 
 
-@pytest.mark.parametrize("name, n_quality, n_speed, n_stability", [("short", 24, 3, 12), ("full", 24, 9, 36)])
-def test_benchmark_configs_compose_and_expand(name: str, n_quality: int, n_speed: int, n_stability: int) -> None:
+@pytest.mark.parametrize(("name", "counts"), [
+    ("short", {"quality": 6, "stability": 12}),
+    ("standard", {"recipe_speed": 3, "quality": 21}),
+    ("ablation", {"ablation": 20}),
+    ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 9, "stability": 54, "ddp_speed": 3}),
+])
+def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:
     arms = validate(dict(bench_cfg(name)))
-    assert (len(arms["quality"]), len(arms["speed"]), len(arms["stability"])) == (n_quality, n_speed, n_stability)
-    assert callable(benchmark_main)
+    assert {study: len(a) for study, a in arms.items()} == counts
 
 
-def test_full_config_carries_the_issue_settings() -> None:
-    b = bench_cfg("full")
-    assert "experiment=paper" in b.quality.common and b.stability.seeds == [0, 1, 2]
-    assert list(b.stability.lrs) == [1e-4, 3e-4, 1e-3] and list(b.stability.formats) == ["nf4", "int4"]
-    assert b.speed.seq_len == 256 and list(b.speed.shapes) == ["qwen2.5_0.5b", "qwen2.5_1.5b", "gemma3_1b"]
+def test_every_fine_tuning_arm_of_the_configs_composes() -> None:
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        for name in ("standard", "ablation"):
+            bench = compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
+            for arms in validate(dict(bench)).values():
+                for arm in arms:
+                    compose(config_name="config", overrides=["data_dir=/data", *arm.overrides])
+
+
+def test_console_script_composes_the_packaged_benchmark_config(tmp_path: Path) -> None:
+    script = shutil.which("lcsb-benchmark") or str(Path(sys.executable).parent / "lcsb-benchmark")
+    done = subprocess.run([script, "--cfg", "job", "benchmark=full"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "name: full" in done.stdout and "studies:" in done.stdout
 
 
 # ------------------------------------------------------------------------------ divergence
@@ -99,29 +120,49 @@ def test_divergence_rule(losses: list[float], initial: float, final: float | Non
 
 
 # ---------------------------------------------------------------------------------- tables
-def quality_result(task: str, arm: str, baseline: str | None, start: float, end: float, budget: float, acc: float) -> dict:
+def finetune_result(task: str, arm: str, baseline: str | None, evals: dict[int, float], run: str = "steps",
+                    train_loss: list[float] | None = None, acc: float = 0.7) -> dict:
+    steps = max(evals)
     return {
-        "study": "quality", "name": slug(task, arm), "labels": {"task": task, "arm": arm},
-        "baseline": slug(task, baseline) if baseline else None, "equal_steps": 4,
-        "eval_at_steps": {"0": {"val/loss": start, "val/accuracy": 0.5}, "4": {"val/loss": end, "val/accuracy": acc}},
-        "eval_at_budget": {"step": 9, "train_seconds": 2.0, "metrics": {"val/loss": budget, "val/accuracy": acc}},
-        "train_seconds_at_steps": 2.0, "diverged": False, "divergence_reason": "",
-        "curves": {"steps": [1, 2, 3, 4], "train_loss": [3.0, 2.5, 2.2, 2.0], "train_seconds": [0.5, 1, 1.5, 2],
-                   "selections": [[0], [1], [2], [3]], "evals": []},
-        "summary": {"steps_per_second": 2.0, "num_blocks": 4},
+        "study": "quality", "name": slug(task, arm, *(["wallclock"] if run == "wallclock" else [])),
+        "labels": {"task": task, "arm": arm, "run": run}, "baseline": slug(task, baseline) if baseline else None,
+        "wallclock_of": slug(task, arm) if run == "wallclock" else None, "steps": steps,
+        "eval_at_steps": {str(s): {"val/loss": v, "val/accuracy": 0.5 if s == 0 else acc} for s, v in evals.items()},
+        "diverged": False, "divergence_reason": "",
+        "curves": {"steps": list(range(1, steps + 1)), "train_loss": train_loss or [3.0 - 0.01 * i for i in range(steps)],
+                   "train_seconds": [0.5 * i for i in range(1, steps + 1)], "selections": [[0]] * steps, "evals": [],
+                   "probes": [{"step": 0, "cosine": {"0": 0.2, "3": 1.0}, "norm_ratio": {"0": 0.5, "3": 1.0}},
+                              {"step": 1, "cosine": {"1": -0.4}, "norm_ratio": {"1": 0.3}}]},
+        "summary": {"steps": steps, "num_blocks": 4},
     }
 
 
-def test_quality_rows_degradation_and_wallclock() -> None:
-    rows = report.quality_rows([
-        quality_result("sst2", "full", None, 3.0, 2.0, 2.0, 0.8),
-        quality_result("sst2", "lcsb", "full", 3.0, 2.04, 1.9, 0.7),
-    ])
-    full, lcsb = rows
-    assert full["degradation_pct"] == 0.0 and full["baseline"] == "full"
-    assert lcsb["degradation_pct"] == pytest.approx(2.0)
-    assert lcsb["wallclock_delta_pct"] == pytest.approx(-5.0)
+def test_finetune_rows_retention_change_and_speedup() -> None:
+    rows = report.finetune_rows([
+        finetune_result("sst2", "full", None, {0: 3.0, 4: 2.0}),
+        finetune_result("sst2", "lcsb", "full", {0: 3.0, 4: 2.1}),
+        finetune_result("sst2", "lcsb", "full", {0: 3.0, 6: 1.95}, run="wallclock"),
+    ], {"sst2": {"full": 1.0, "lcsb": 1.5}})
+    full, lcsb, wallclock = rows
+    assert full["retention"] == 1.0 and full["delta_pct"] == 0.0 and full["baseline"] == "full"
+    assert lcsb["retention"] == pytest.approx(0.9) and lcsb["delta_pct"] == pytest.approx(5.0) and lcsb["speedup"] == 1.5
+    assert wallclock["steps"] == 6 and wallclock["retention"] == pytest.approx(1.05) and wallclock["delta_pct"] == pytest.approx(-2.5)
     assert (lcsb["metric_name"], lcsb["metric"], lcsb["initial_metric"]) == ("accuracy", 0.7, 0.5)
+
+
+def test_eval_rising_while_training_loss_falls_is_flagged() -> None:
+    falling = [3.0 - 0.01 * i for i in range(30)]
+    rising = finetune_result("w", "identity", "full", {0: 3.0, 10: 2.5, 20: 2.6, 30: 2.8}, train_loss=falling)
+    steady = finetune_result("w", "truncated", "full", {0: 3.0, 10: 2.5, 20: 2.45, 30: 2.44}, train_loss=falling)
+    assert report.eval_rises(rising) and not report.eval_rises(steady)
+
+
+def test_probe_rows_per_depth_group() -> None:
+    rows = report.probe_rows([finetune_result("w", "identity", "full", {0: 3.0, 4: 2.5})])
+    by_group = {r["group"]: r for r in rows}
+    assert by_group[0]["mean_cos"] == pytest.approx(0.2) and by_group[0]["share_positive"] == 1.0
+    assert by_group[1]["share_positive"] == 0.0 and by_group[3]["mean_norm_ratio"] == 1.0
+    assert 2 not in by_group  # never probed
 
 
 def test_task_metric_and_rel_change() -> None:
@@ -134,16 +175,22 @@ def test_speed_rows_speedup_and_amdahl_bound() -> None:
     timing = {"s": {"arms": {"full": {"median_s": 4.0, "steps_per_s": 0.25, "k": 8},
                              "cyclic_n4": {"median_s": 2.0, "steps_per_s": 0.5, "k": 2}},
                     "forward_median_s": 1.0, "num_blocks": 8}}
-    memory = [{"labels": {"shape": "s", "arm": "full"}, "peak_rss_mb": 900.0}]
-    rows = {r["arm"]: r for r in report.speed_rows(timing, memory)}
+    rows = {r["arm"]: r for r in report.speed_rows(timing)}
     assert rows["cyclic_n4"]["speedup"] == pytest.approx(2.0)
     assert rows["cyclic_n4"]["amdahl_bound"] == pytest.approx(4.0 / (1.0 + 3.0 * 2 / 8))
-    assert rows["full"]["peak_rss_mb"] == 900.0 and rows["cyclic_n4"]["peak_rss_mb"] is None
+
+
+def test_recipe_speed_rows_and_step_seconds() -> None:
+    result = {"labels": {"task": "w"}, "baseline": "full",
+              "timing": {"arms": {"full": {"total": 2.0, "forward": 1.0}, "dyadic": {"total": 1.25, "forward": 0.9}}}}
+    rows = report.recipe_speed_rows([result])
+    assert [r["speedup"] for r in rows] == [1.0, pytest.approx(1.6)] and rows[1]["phases"] == {"forward": 0.9}
+    assert report.step_seconds(rows) == {("w", "full"): 2.0, ("w", "dyadic"): 1.25}
 
 
 def stability_result(arm: str, fmt: str, lr: float, seed: int, bad: bool) -> dict:
-    return {"labels": {"arm": arm, "fmt": fmt, "lr": lr, "seed": seed}, "equal_steps": 3, "diverged": bad,
-            "divergence_reason": "non-finite training loss at step 2" if bad else "",
+    return {"labels": {"arm": arm, "fmt": fmt, "lr": lr, "seed": seed}, "steps": 3, "diverged": bad,
+            "divergence_reason": "non-finite training loss at step 2" if bad else "", "summary": {"steps": 3},
             "eval_at_steps": {"0": {"val/loss": 3.0}, "3": {"val/loss": math.nan if bad else 2.5}}}
 
 
@@ -160,66 +207,68 @@ def test_stability_grid_counts_and_names_full_only_divergence() -> None:
     assert "| nf4 | full | 0.001 | 1/2 |" in md and "nf4 lr=0.001" in md
 
 
-# ---------------------------------------------------------------------------------- resume
-def test_pending_skips_arms_with_a_readable_result(tmp_path: Path) -> None:
-    arms = quality_arms(QUALITY)
-    (arm_dir(tmp_path, arms[0])).mkdir(parents=True)
-    (arm_dir(tmp_path, arms[0]) / RESULT_NAME).write_text("{}")
-    (arm_dir(tmp_path, arms[1])).mkdir(parents=True)
-    (arm_dir(tmp_path, arms[1]) / RESULT_NAME).write_text('{"half-writ')  # interrupted: rerun
-    assert pending(tmp_path, arms) == arms[1:]
-    assert load_result(tmp_path, arms[0]) == {}
+# -------------------------------------------------------------------- results keyed by settings
+def _write(root: Path, arm: Arm, result: dict, settings: Any) -> None:
+    arm_dir(root, arm).mkdir(parents=True, exist_ok=True)
+    (arm_dir(root, arm) / RESULT_NAME).write_text(json.dumps({**result, "settings_hash": settings_hash(settings)}))
 
 
-def test_finished_benchmark_reruns_nothing_and_writes_results(tmp_path: Path) -> None:
-    bench = {"name": "resume", "studies": ["quality", "stability"], "quality": QUALITY, "stability": STABILITY}
-    for arm in quality_arms(QUALITY):
-        base = arm.labels["arm"] == "full"
-        res = quality_result(arm.labels["task"], arm.labels["arm"], None if base else "full", 3.0, 2.0, 2.0, 0.6)
-        (arm_dir(tmp_path, arm)).mkdir(parents=True)
-        (arm_dir(tmp_path, arm) / RESULT_NAME).write_text(json.dumps(res))
-    for arm in stability_arms(STABILITY):
-        l = arm.labels
-        res = stability_result(l["arm"], l["fmt"], l["lr"], l["seed"], False)
-        (arm_dir(tmp_path, arm)).mkdir(parents=True)
-        (arm_dir(tmp_path, arm) / RESULT_NAME).write_text(json.dumps(res))
-
-    def compose(overrides: Any) -> Any:
-        raise AssertionError(f"a finished arm was run again: {overrides}")
-
-    tables = run_benchmark(bench, tmp_path, compose, command="test")
-    assert len(tables["quality"]) == 4 and len(tables["stability"]) == 8
-    assert (tmp_path / "results.md").is_file() and json.loads((tmp_path / "results.json").read_text())["meta"]["command"] == "test"
-    for name in ("loss_curves", "selection_heatmap", "divergence_grid"):
-        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
-    assert "![divergence_grid](plots/divergence_grid.png)" in (tmp_path / "results.md").read_text()
+def test_a_result_counts_only_for_the_settings_that_produced_it(tmp_path: Path) -> None:
+    arm = Arm("quality", "t1__full")
+    _write(tmp_path, arm, {"x": 1}, {"steps": 200})
+    assert load_result(tmp_path, arm, settings_hash({"steps": 200})) is not None
+    assert load_result(tmp_path, arm, settings_hash({"steps": 20})) is None  # other settings: run again
+    (arm_dir(tmp_path, arm) / RESULT_NAME).write_text('{"half-writ')  # interrupted: run again
+    assert load_result(tmp_path, arm) is None
 
 
-def test_a_missing_baseline_result_is_an_error(tmp_path: Path) -> None:
-    q = {**QUALITY, "tasks": ["t1"], "task_overrides": {}}
-    lcsb = quality_arms(q)[1]
-    with pytest.raises(RuntimeError, match="baseline t1__full"):
-        from lcsb_lightning.bench.runner import _run_quality
+def test_finished_arms_are_skipped_and_changed_settings_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.bench import runner
+    from lcsb_lightning.bench.finetune_arm import arm_config, arm_settings
 
-        _run_quality([lcsb], q, tmp_path, lambda o: None)
+    ran: list[str] = []
+    monkeypatch.setattr(runner, "run_finetune_arm", lambda arm, *args, **kwargs: ran.append(arm.name))
+    bench = {"name": "resume", "studies": ["stability"], "stability": {**STABILITY, "task": "pydoc"}}
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        def compose_ft(overrides: Any) -> Any:
+            return compose(config_name="config", overrides=list(overrides))
+
+        for arm in stability_arms(bench["stability"]):
+            lab = arm.labels
+            settings = arm_settings(arm_config(arm, compose_ft, 3), [3])
+            _write(tmp_path, arm, stability_result(lab["arm"], lab["fmt"], lab["lr"], lab["seed"], False), settings)
+        tables = run_benchmark(bench, tmp_path, compose_ft, command="test")
+        assert ran == [] and len(tables["stability"]) == 8
+        assert json.loads((tmp_path / "results.json").read_text())["meta"]["command"] == "test"
+        assert (tmp_path / "plots" / "divergence_grid.png").stat().st_size > 1000
+        assert "![divergence_grid](plots/divergence_grid.png)" in (tmp_path / "results.md").read_text()
+        bench["stability"]["steps"] = 4  # other settings: every arm runs again, nothing stale is reported
+        run_benchmark(bench, tmp_path, compose_ft, command="test")
+        assert len(ran) == 24
+
+
+def test_a_wallclock_arm_needs_the_recipe_speed_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from lcsb_lightning.bench import runner
+
+    ran: list[str] = []
+    monkeypatch.setattr(runner, "run_finetune_arm", lambda arm, *args, **kwargs: ran.append(arm.name))
+    bench = {"name": "q", "studies": ["quality"], "quality": {**QUALITY, "tasks": ["t1"], "task_overrides": {}}}
+
+    def compose_stub(overrides: Any) -> Any:
+        return OmegaConf.create({"policy": {"_target_": "x", "policy": "cyclic", "probe_every": 0}, "o": list(overrides)})
+
+    with pytest.raises(RuntimeError, match="needs the speed-up of 'lcsb' on 't1' from the recipe_speed study"):
+        run_benchmark(bench, tmp_path, compose_stub, command="t")
+    assert ran == ["t1__full", "t1__lcsb"]  # the equal-steps arms ran before the wall-clock one stopped
 
 
 def test_report_only_runs_nothing(tmp_path: Path) -> None:
     bench = {"name": "r", "report_only": True, "studies": ["stability"], "stability": STABILITY}
 
-    def compose(overrides: Any) -> Any:
+    def compose_stub(overrides: Any) -> Any:
         raise AssertionError("report_only ran an arm")
 
-    tables = run_benchmark(bench, tmp_path, compose, command="test")
+    tables = run_benchmark(bench, tmp_path, compose_stub, command="test")
     assert tables["stability"] == [] and (tmp_path / "results.md").is_file()
-
-
-def test_an_arm_capped_before_its_budget_uses_its_final_eval() -> None:
-    base = quality_result("w", "full", None, 3.0, 2.0, 2.0, 0.5)
-    lcsb = quality_result("w", "lcsb", "full", 3.0, 2.1, 0.0, 0.5)
-    lcsb["eval_at_budget"] = None
-    lcsb["summary"] = {"steps": 16, "final_metrics": {"val/loss": 1.9}}
-    lcsb["curves"]["total_train_seconds"] = 1.5
-    row = report.quality_rows([base, lcsb])[1]
-    assert (row["budget_step"], row["budget_seconds"], row["budget_loss"]) == (16, 1.5, 1.9)
-    assert row["wallclock_delta_pct"] == pytest.approx(-5.0)

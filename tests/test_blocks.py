@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers as tf
 from torch import nn
 

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lcsb_lightning import LCSBCallback
 from lcsb_lightning.policies import CyclicPolicy
-from tests.conftest import ResidualNet, TokenLM, quiet_trainer, tiny_llama_peft, token_batches
+from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
 
 class Recorder(Callback):
@@ -120,7 +120,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(policy="lisa", layers_per_step=1), ValueError, "Unknown policy 'lisa'; available: cyclic, freeze, full, grad_norm, random"),
+        (dict(policy="lisa", layers_per_step=1), ValueError, "Unknown policy 'lisa'; available: cyclic, dyadic, freeze, full, grad_norm, random"),
         (dict(layers_per_step=1, backward="approx"), ValueError, "`backward='approx'` is not supported; allowed: identity, exact"),
         (dict(layers_per_step=1, momentum="adam"), ValueError, "`momentum='adam'` is not supported; allowed: implicit, skip, reset"),
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
@@ -148,3 +148,26 @@ def test_fit_time_errors(residual_net) -> None:
     with pytest.raises(ValueError, match="16 trainable block parameters are in no optimizer param group"):
         _fit(model, LCSBCallback(layers_per_step=1), steps=1)
     assert all(p.requires_grad for p in model.model.stack.parameters())
+
+
+@pytest.mark.parametrize(("backward", "exact_blocks"), [("exact", True), ("identity", False)])
+def test_probe_measures_the_fidelity_of_the_gradient_used(tmp_path: Path, backward: str, exact_blocks: bool) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = TokenLM(tiny_llama_peft(num_layers=4), lr=5e-3)
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward=backward, probe_every=3, log_every_n_steps=0)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    _fit(model, lcsb, steps=8, logger=logger, log_every_n_steps=1)
+    assert [r.step for r in lcsb.probe_results] == [0, 3, 6]
+    assert [list(r.cosine) for r in lcsb.probe_results] == [[0], [3], [2]]  # the block trained at that step
+    top = lcsb.probe_results[1]  # block 3 is the top block: nothing above it, so both paths are exact
+    assert top.cosine[3] == pytest.approx(1.0, abs=1e-5) and top.norm_ratio[3] == pytest.approx(1.0, abs=1e-4)
+    low = lcsb.probe_results[0].cosine[0]
+    if exact_blocks:
+        assert low == pytest.approx(1.0, abs=1e-5)
+    else:  # the identity path approximates the three blocks above block 0
+        assert low < 0.999
+    # the probe ran training_step once more at steps 0, 3 and 6, on the same batch: the same loss, bit for bit
+    assert len(model.losses) == 8 + 3 and model.losses[0] == model.losses[1] and model.losses[4] == model.losses[5]
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0}).Reload()
+    assert "lcsb/probe/cos/block_00" in events.Tags()["scalars"] and "lcsb/probe" in events.Tags()["images"]

@@ -14,6 +14,8 @@ MODULES = [
     "lcsb_lightning.selection_image",
     "lcsb_lightning.policies.simple",
     "lcsb_lightning.policies.stochastic",
+    "lcsb_lightning.bench.spec",
+    "lcsb_lightning.forward_wrap",
 ]
 
 

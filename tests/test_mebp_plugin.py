@@ -198,3 +198,28 @@ def test_convert_module_without_linear_raises_type_error() -> None:
     net.layers = torch.nn.ModuleList(torch.nn.LayerNorm(8) for _ in range(2))
     with pytest.raises(TypeError, match="apply_mebp found no `nn.Linear` to compress in the 2 blocks"):
         QuantizedMeBP(fmt="int4").convert_module(net)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_converted_model_with_mmap_offload_copies_into_its_own_directory(tmp_path: Path, how: str) -> None:
+    import copy
+    import pickle
+
+    from lcsb_lightning.mebp import apply_mebp
+
+    model = add_lora(tiny_llama())
+    apply_mebp(model, fmt="int4", group_size=32, offload="mmap", offload_dir=str(tmp_path))
+    twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    ids = tokens()
+    losses = []
+    for m in (model, twin):
+        m.train()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    original, copied = mebp_state(model).offload, mebp_state(twin).offload
+    assert copied.path != original.path and copied.bytes_written > 0
+    copied.close()
+    original.close()
+    assert _files_under(tmp_path) == []

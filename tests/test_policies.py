@@ -108,13 +108,13 @@ def test_full_and_freeze() -> None:
 
 
 def test_registry_lists_every_policy() -> None:
-    assert available_policies() == ["cyclic", "freeze", "full", "grad_norm", "random"]
+    assert available_policies() == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "random"]
 
 
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, freeze"),
+        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dyadic, freeze"),
         (lambda: CyclicPolicy(), "needs `layers_per_step=k` or `fraction=f`; got neither"),
         (lambda: CyclicPolicy(layers_per_step=2, fraction=0.5), "Give only one of `layers_per_step` \\(2\\) and `fraction` \\(0.5\\)"),
         (lambda: CyclicPolicy(layers_per_step=0), "`layers_per_step` must be an integer >= 1, got 0"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -12,10 +13,10 @@ from hydra.utils import instantiate
 from lightning import Trainer
 
 from _recipes_utils import FAST, compose_cfg, one_thread, write_cls, write_qa, write_text  # noqa: F401
-from lcsb_lightning.recipes.cli import conf_dir
+from lcsb_lightning.recipes.cli import CONFIG_MODULE
 from lcsb_lightning.recipes.models import ModelBundle
 
-CONF = conf_dir()
+CONF = Path(importlib.import_module(CONFIG_MODULE).__file__).parent  # the packaged configs
 
 
 def options(group: str) -> list[str]:
@@ -25,15 +26,17 @@ def options(group: str) -> list[str]:
 def test_every_group_has_its_options() -> None:
     assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m", "tiny"]
     assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
-    assert options("policy") == ["cyclic", "freeze", "full", "grad_norm", "random"]
+    assert options("policy") == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "paper", "random"]
     assert options("mebp") == ["int4", "nf4", "none"]
-    assert options("trainer") == ["cpu", "gpu"]
+    assert options("trainer") == ["cpu", "ddp", "gpu"]
     assert options("logger") == ["csv", "tensorboard"]
     assert "paper" in options("experiment")
 
 
 def test_every_yaml_opens_with_its_launch_command() -> None:
-    for path in CONF.rglob("*.yaml"):
+    paths = sorted(CONF.rglob("*.yaml"))
+    assert len(paths) > 30
+    for path in paths:
         first = path.read_text().splitlines()[0]
         if first.startswith("# @package"):
             first = path.read_text().splitlines()[1]
@@ -46,7 +49,7 @@ def test_default_config_composes() -> None:
     assert cfg.task.builtin == "pydoc" and cfg.policy.policy == "cyclic"
 
 
-@pytest.mark.parametrize("name", ["cyclic", "freeze", "full", "grad_norm", "random"])
+@pytest.mark.parametrize("name", ["cyclic", "dyadic", "freeze", "full", "grad_norm", "paper", "random"])
 def test_policy_options_instantiate(name: str) -> None:
     callback = instantiate(compose_cfg([f"policy={name}"]).policy)
     assert type(callback).__name__ == "LCSBCallback"
@@ -63,8 +66,15 @@ def test_mebp_options_instantiate(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["r16", "r8"])
 def test_lora_options_instantiate(name: str) -> None:
+    from peft import get_peft_model
+
+    from lcsb_lightning.recipes.models import random_init
+
     lora = instantiate(compose_cfg([f"lora={name}"]).lora, _convert_="all")
-    assert lora.r == int(name[1:]) and len(lora.target_modules) == 7
+    assert lora.r == int(name[1:]) and lora.target_modules == "all-linear"
+    model = get_peft_model(random_init(instantiate(compose_cfg(["model=tiny"]).model.config)).model, lora)
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # the LM head is left out
 
 
 @pytest.mark.parametrize("name", ["csv", "tensorboard"])
@@ -110,12 +120,8 @@ def test_task_options_instantiate(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["wikitext2", "gsm8k", "sst2"])
 def test_preset_options_instantiate(name: str) -> None:
-    from _recipes_utils import SHARED_DATA
-
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} not present (the presets read ../shared/data)")
-    task = instantiate(compose_cfg([f"task={name}", f"data_dir={SHARED_DATA}"]).task, _convert_="all")
-    assert task.kind in ("lm", "qa", "classification")
+    task = instantiate(compose_cfg([f"task={name}"]).task, _convert_="all")  # the hub: nothing is read yet
+    assert task.kind in ("lm", "qa", "classification") and task.source == "hub"
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,6 @@ from pathlib import Path
 
 from _recipes_utils import FAST, write_text
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
 
@@ -39,7 +36,8 @@ def test_two_job_multirun_writes_two_summaries(tmp_path: Path) -> None:
 
 
 def test_unknown_option_exits_with_the_available_options(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(REPO / "recipes" / "finetune.py"), "policy=cycle", f"hydra.run.dir={tmp_path / 'run'}"]
+    script = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+    cmd = [script, "policy=cycle", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "cyclic" in proc.stderr and "grad_norm" in proc.stderr, proc.stderr[-2000:]

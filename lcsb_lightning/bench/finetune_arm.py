@@ -1,17 +1,16 @@
-"""One quality or stability arm: ``run_finetune`` on a composed config, plus the benchmark's recorder."""
+"""One fine-tuning arm of the quality, ablation or stability study: ``run_finetune`` plus the recorder."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench.recorder import CurveRecorder
-from lcsb_lightning.bench.spec import RESULT_NAME, Arm, diverged
+from lcsb_lightning.bench.spec import RESULT_NAME, Arm, diverged, settings_hash
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -26,76 +25,62 @@ SUMMARY_KEYS = (
 )
 
 
-def stop_overrides(cap: int) -> list[str]:
-    """Trainer overrides of a benchmark arm: at most ``cap`` steps, no periodic validation of Lightning's
-    (the recorder evaluates itself), no progress bar."""
-    return [f"trainer.max_steps={cap}", f"trainer.val_check_interval={cap + 1}", "trainer.enable_progress_bar=false"]
+def arm_config(arm: Arm, compose: Compose, steps: int, probe_every: int = 0) -> DictConfig:
+    """The arm's fine-tuning config: its overrides, ``steps`` optimizer steps, no validation of
+    Lightning's own (the recorder evaluates), no progress bar, and the probe on LCSB arms."""
+    extra = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps + 1}",
+             "trainer.enable_progress_bar=false", "eval_before_training=true"]
+    cfg = compose([*arm.overrides, *extra])
+    if probe_every and cfg.get("policy") and "_target_" in cfg.policy and cfg.policy.get("policy") != "full":
+        cfg.policy.probe_every = probe_every
+    return cfg
 
 
-def run_finetune_arm(
-    arm: Arm,
-    out_dir: Path,
-    compose: Compose,
-    steps: int,
-    eval_steps: Sequence[int] = (),
-    budget_seconds: float | None = None,
-    max_steps: int | None = None,
-) -> dict[str, Any]:
-    """Fine-tune one arm and write ``<out_dir>/result.json`` (last, atomically: its presence marks the arm done).
+def arm_settings(cfg: DictConfig, eval_steps: Sequence[int]) -> dict[str, Any]:
+    """Everything that determines the arm's result: the resolved config and the evaluation steps."""
+    return {"config": OmegaConf.to_container(cfg, resolve=True), "eval_steps": list(eval_steps)}
+
+
+def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_steps: Sequence[int] = ()) -> dict[str, Any]:
+    """Fine-tune one arm and write ``<out_dir>/result.json`` (last, atomically: it marks the arm done).
 
     Args:
-        arm: The arm (its overrides compose ``conf/config.yaml``).
+        arm: The arm.
         out_dir: The arm's folder (``run_finetune``'s output directory).
-        compose: Composes the fine-tuning config from overrides.
-        steps: Optimizer steps of the equal-steps comparison.
+        cfg: The arm's config (:func:`arm_config`).
+        steps: Optimizer steps of the run.
         eval_steps: Steps (< ``steps``) after which to evaluate mid-fit; ``steps`` itself is the final evaluation.
-        budget_seconds: Train-time budget of the equal-wall-clock comparison; the arm keeps training
-            past ``steps`` until it is spent (at most ``max_steps``) and evaluates there.
-        max_steps: Cap on the steps spent reaching the budget (default ``4 * steps``).
 
     Returns:
         The result written.
     """
     from lcsb_lightning.recipes.train import run_finetune
 
-    cap = steps if budget_seconds is None else max(steps, max_steps or 4 * steps)
-    cfg = compose([*arm.overrides, *stop_overrides(cap), "eval_before_training=true"])
-    recorder = CurveRecorder(
-        eval_steps=[s for s in eval_steps if 0 < s < steps] + ([steps] if budget_seconds is not None else []),
-        budget_seconds=budget_seconds,
-        min_steps=steps,
-    )
+    mid = [s for s in eval_steps if 0 < s < steps]
+    recorder = CurveRecorder(eval_steps=mid)
     summary = run_finetune(cfg, out_dir, extra_callbacks=[recorder])
     curves = recorder.result()
-    finite = all(math.isfinite(x) for x in curves["train_loss"])
-    if len(curves["steps"]) < steps and finite:  # interrupted (SIGTERM, max_time...): not a finished arm
-        raise RuntimeError(f"arm {arm.name} stopped after {len(curves['steps'])} of {steps} steps; rerun to resume")
     at_steps = {str(e["step"]): e["metrics"] for e in curves["evals"]}
     at_steps["0"] = summary["initial_metrics"]
-    if budget_seconds is None:  # the run stopped at `steps` (or earlier, diverged): its final eval
-        at_steps[str(summary["steps"])] = summary["final_metrics"]
+    at_steps[str(summary["steps"])] = summary["final_metrics"]
     initial = summary["initial_metrics"].get("val/loss")
-    final = at_steps.get(str(steps), summary["final_metrics"]).get("val/loss")
-    bad, reason = diverged(curves["train_loss"][:steps], initial, final)
+    final = summary["final_metrics"].get("val/loss")
+    bad, reason = diverged(curves["train_loss"], initial, final)
     result: dict[str, Any] = {
         "study": arm.study,
         "name": arm.name,
         "labels": dict(arm.labels),
         "overrides": list(arm.overrides),
         "baseline": arm.baseline,
-        "wallclock": budget_seconds is not None or arm.baseline is None,
-        "equal_steps": steps,
+        "wallclock_of": arm.wallclock_of,
+        "steps": steps,
         "eval_at_steps": at_steps,
-        "eval_at_budget": curves["budget_eval"] or (
-            {"step": summary["steps"], "train_seconds": curves["total_train_seconds"], "metrics": summary["final_metrics"]}
-            if budget_seconds is None else None
-        ),
-        "train_seconds_at_steps": curves["train_seconds"][steps - 1] if len(curves["train_seconds"]) >= steps else None,
         "diverged": bad,
         "divergence_reason": reason,
         "curves": curves,
         "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
+        "settings_hash": settings_hash(arm_settings(cfg, eval_steps)),
     }
     atomic_write_json(out_dir / RESULT_NAME, result)
-    log.info("arm %s/%s done: eval loss %s -> %s", arm.study, arm.name, initial, final)
+    log.info("arm %s/%s done: eval loss %s -> %s in %d steps", arm.study, arm.name, initial, final, summary["steps"])
     return result

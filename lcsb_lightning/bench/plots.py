@@ -15,14 +15,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 DPI = 80
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    out, acc = [], []
-    for v in values:
-        acc = (acc + [v])[-window:]
-        out.append(sum(acc) / len(acc))
-    return out
-
-
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -31,50 +23,101 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def loss_curves(results: Sequence[Mapping[str, Any]], path: Path, window: int = 5) -> Path:
-    """Training loss (moving average) and eval loss per arm, by step and by train wall-clock, one row per task."""
+def _label(r: Mapping[str, Any]) -> str:
+    lab = r["labels"]
+    return lab["arm"] + (" (equal wall-clock)" if lab.get("run") == "wallclock" else "")
+
+
+def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tuple[str, str], float], path: Path) -> Path:
+    """Eval loss by step and by training wall-clock, one row per task.
+
+    The wall-clock of step ``s`` is ``s`` times the arm's median step time in the recipe loop (the
+    recipe_speed study, measured with the arms alternating), or the run's own train time without it.
+    """
     tasks = list(dict.fromkeys(r["labels"]["task"] for r in results))
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.2 * len(tasks)), squeeze=False)
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.4 * len(tasks)), squeeze=False)
+    colors: dict[str, Any] = {}
     for row, task in enumerate(tasks):
         for r in (r for r in results if r["labels"]["task"] == task):
-            c = r["curves"]
             arm = r["labels"]["arm"]
-            smooth = _smooth(c["train_loss"], window)
-            line = axes[row][0].plot(c["steps"], smooth, label=arm, lw=1.2)[0]
-            axes[row][1].plot(c["train_seconds"], smooth, label=arm, lw=1.2, color=line.get_color())
             evals = sorted((int(s), m["val/loss"]) for s, m in r["eval_at_steps"].items() if m and "val/loss" in m)
-            axes[row][0].plot([s for s, _ in evals], [v for _, v in evals], "o--", ms=3, lw=0.8, color=line.get_color())
-            timed = [e for e in [*c.get("evals", []), r.get("eval_at_budget")] if e and "val/loss" in e.get("metrics", {})]
-            axes[row][1].plot([e["train_seconds"] for e in timed], [e["metrics"]["val/loss"] for e in timed], "o",
-                              ms=4, color=line.get_color())
-        axes[row][0].set(title=f"{task}: train loss (avg {window}) and eval loss (dots) by step", xlabel="step", ylabel="loss")
-        axes[row][1].set(title=f"{task}: train loss and eval loss (dots) by train wall-clock", xlabel="seconds", ylabel="loss")
+            style = "o--" if r["labels"].get("run") == "wallclock" else "o-"
+            line = axes[row][0].plot([s for s, _ in evals], [v for _, v in evals], style, ms=3, lw=1.1,
+                                     label=_label(r), color=colors.get(arm))[0]
+            colors.setdefault(arm, line.get_color())
+            per_step = step_seconds.get((task, arm))
+            if per_step is not None:
+                seconds = [s * per_step for s, _ in evals]
+            else:
+                timed = dict(zip(r["curves"]["steps"], r["curves"]["train_seconds"]))
+                seconds = [timed.get(s, 0.0) for s, _ in evals]
+            axes[row][1].plot(seconds, [v for _, v in evals], style, ms=3, lw=1.1, color=colors[arm], label=_label(r))
+        axes[row][0].set(title=f"{task}: eval loss by step", xlabel="optimizer step", ylabel="eval loss")
+        axes[row][1].set(title=f"{task}: eval loss by training wall-clock", xlabel="seconds", ylabel="eval loss")
         axes[row][0].legend(fontsize=7)
     return _save(fig, path)
 
 
-def speed_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Step time and peak RSS bars per shape and arm."""
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    arms = list(dict.fromkeys(r["arm"] for r in rows))
+def alignment(results: Sequence[Mapping[str, Any]], path: Path, groups: int = 4) -> Path:
+    """Mean cosine of the used vs exact gradient per depth group, over training, one panel per probed arm."""
+    from lcsb_lightning.bench.report import block_groups
+
+    probed = [r for r in results if r["curves"].get("probes") and r["labels"].get("run", "steps") == "steps"]
+    fig, axes = plt.subplots(1, len(probed), figsize=(2.8 * len(probed) + 1, 3.0), squeeze=False)
+    for ax, r in zip(axes[0], probed):
+        n = int(r["summary"].get("num_blocks") or 1)
+        for g, blocks in enumerate(block_groups(n, groups)):
+            points = [(p["step"], sum(p["cosine"][str(b)] for b in blocks if str(b) in p["cosine"]) /
+                       sum(str(b) in p["cosine"] for b in blocks))
+                      for p in r["curves"]["probes"] if any(str(b) in p["cosine"] for b in blocks)]
+            if points:
+                ax.plot([s for s, _ in points], [c for _, c in points], "o-", ms=3, lw=1, label=f"blocks {blocks[0]}-{blocks[-1]}")
+        ax.axhline(0.0, color="grey", lw=0.6)
+        ax.set(title=f"{r['labels']['task']}: {r['labels']['arm']}", xlabel="step", ylabel="cosine(used, exact)", ylim=(-1.05, 1.05))
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=6)
+    return _save(fig, path)
+
+
+def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Stacked median step time per phase, per task and arm (recipe loop)."""
+    from lcsb_lightning.bench.recipe_speed import PHASES as phases
+    labels = [f"{r['task']}\n{r['arm']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 3.8))
+    bottom = [0.0] * len(rows)
+    for phase in phases:
+        values = [r["phases"].get(phase, 0.0) for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel="seconds per step", title="recipe-loop step time by phase (medians)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def speed_bars(speed: Sequence[Mapping[str, Any]], memory: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Median step time per shape and arm (speed study) and peak RSS per shape and arm (memory study)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    width = 0.8 / max(1, len(arms))
-    for i, arm in enumerate(arms):
-        xs = [j + i * width for j in range(len(shapes))]
-        by_shape = {r["shape"]: r for r in rows if r["arm"] == arm}
-        axes[0].bar(xs, [by_shape.get(s, {}).get("median_s") or 0 for s in shapes], width, label=arm)
-        axes[1].bar(xs, [by_shape.get(s, {}).get("peak_rss_mb") or 0 for s in shapes], width, label=arm)
-    for ax, title in zip(axes, ("median step time (s)", "whole-process peak RSS (MiB)")):
+    for ax, rows, key, title in ((axes[0], speed, "median_s", "median step time (s)"),
+                                 (axes[1], memory, "peak_rss_mb", "whole-process peak RSS (MiB)")):
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        arms = list(dict.fromkeys(f"{r['arm']} {r.get('malloc', '')}".strip() for r in rows))
+        width = 0.8 / max(1, len(arms))
+        for i, arm in enumerate(arms):
+            by_shape = {r["shape"]: r for r in rows if f"{r['arm']} {r.get('malloc', '')}".strip() == arm}
+            ax.bar([j + i * width for j in range(len(shapes))], [by_shape.get(s, {}).get(key) or 0 for s in shapes], width, label=arm)
         ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        if arms:
+            ax.legend(fontsize=7)
     return _save(fig, path)
 
 
 def selection_heatmap(results: Sequence[Mapping[str, Any]], path: Path, max_steps: int = 120) -> Path:
-    """Which blocks trained at each step (blocks x steps), one panel per arm of the first task."""
+    """Which blocks trained at each step (blocks x steps), one panel per equal-steps arm of the first task."""
     task = results[0]["labels"]["task"]
-    chosen = [r for r in results if r["labels"]["task"] == task and r["curves"]["selections"]]
+    chosen = [r for r in results if r["labels"]["task"] == task and r["curves"]["selections"]
+              and r["labels"].get("run", "steps") == "steps"]
     fig, axes = plt.subplots(1, len(chosen), figsize=(2.4 * len(chosen) + 1, 3.2), squeeze=False)
     for ax, r in zip(axes[0], chosen):
         sel = r["curves"]["selections"][:max_steps]

@@ -1,4 +1,4 @@
-"""``CurveRecorder``: per-step loss and train time, and evaluations at fixed steps and wall-clock budgets."""
+"""``CurveRecorder``: per-step loss, train time and selection, evaluations at fixed steps, LCSB's probes."""
 
 from __future__ import annotations
 
@@ -48,40 +48,28 @@ def evaluate(module: LightningModule, loader: Any) -> dict[str, float]:
 
 
 class CurveRecorder(StepTimer):
-    """Records every optimizer step's training loss and cumulative train time, and evaluates mid-fit.
-
-    Train time is the sum of the batches' wall time (forward, backward, optimizer step), so the
-    recorder's own evaluations do not count. Evaluations happen after the optimizer steps listed in
-    ``eval_steps`` and once when the train time first reaches ``budget_seconds``. With
-    ``min_steps``/``budget_seconds`` the fit stops as soon as both are reached (the Trainer's
-    ``max_steps`` stays the hard cap).
+    """Records every optimizer step's training loss, cumulative train time and selection, and evaluates
+    after the optimizer steps in ``eval_steps`` (their time is not train time). A non-finite loss
+    stops the fit: nothing more is learned from a diverged run.
 
     Args:
         eval_steps: Optimizer steps after which to evaluate.
-        budget_seconds: A wall-clock budget of train time (None: none).
-        min_steps: Steps to run at least before stopping early for the budget (None: never stop early).
     """
 
-    def __init__(
-        self, eval_steps: Sequence[int] = (), budget_seconds: float | None = None, min_steps: int | None = None
-    ) -> None:
-        if budget_seconds is not None and not budget_seconds > 0:
-            raise ValueError(f"budget_seconds must be positive, got {budget_seconds}")
+    def __init__(self, eval_steps: Sequence[int] = ()) -> None:
         super().__init__()
         self.eval_steps = sorted({int(s) for s in eval_steps})
-        self.budget_seconds = budget_seconds
-        self.min_steps = min_steps
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.seconds: list[float] = []
         self.selections: list[list[int]] = []
         self.evals: list[dict[str, Any]] = []
-        self.budget_eval: dict[str, Any] | None = None
+        self.probes: list[dict[str, Any]] = []
 
-    @property
-    def train_seconds(self) -> float:
-        """Summed wall time of the training batches so far (evaluations excluded)."""
-        return self.total_seconds
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        lcsb = _lcsb(trainer)
+        self.probes = [{"step": r.step, "cosine": r.cosine, "norm_ratio": r.norm_ratio}
+                       for r in (lcsb.probe_results if lcsb is not None else [])]
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -93,32 +81,27 @@ class CurveRecorder(StepTimer):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.steps.append(step)
         self.losses.append(_scalar(loss) if loss is not None else math.nan)
-        self.seconds.append(round(self.train_seconds, 4))
-        selection = next((cb.selection for cb in trainer.callbacks if isinstance(getattr(cb, "selection", None), tuple)), ())
-        self.selections.append(list(selection))
-        budget_hit = self.budget_seconds is not None and self.budget_eval is None and self.train_seconds >= self.budget_seconds
-        if step in self.eval_steps or budget_hit:
-            metrics = evaluate(pl_module, trainer.val_dataloaders)
-            record = {"step": step, "train_seconds": round(self.train_seconds, 4), "metrics": metrics}
-            if step in self.eval_steps:
-                self.evals.append(record)
-            if budget_hit:
-                self.budget_eval = record
+        self.seconds.append(round(self.total_seconds, 4))
+        lcsb = _lcsb(trainer)
+        self.selections.append(list(lcsb.selection) if lcsb is not None else [])
+        if step in self.eval_steps:  # mid-run: losses and accuracy only, the generations of exact match at the end
+            generate, pl_module.generate = getattr(pl_module, "generate", False), False
+            try:
+                metrics = evaluate(pl_module, trainer.val_dataloaders)
+            finally:
+                pl_module.generate = generate
+            self.evals.append({"step": step, "train_seconds": round(self.total_seconds, 4), "metrics": metrics})
         if not math.isfinite(self.losses[-1]):
-            trainer.should_stop = True  # diverged: nothing more to learn from this run
-        if self.min_steps is not None and step >= self.min_steps:
-            if self.budget_seconds is None or self.budget_eval is not None:
-                trainer.should_stop = True
+            trainer.should_stop = True
 
     def result(self) -> dict[str, Any]:
-        """Everything recorded, JSON-serialisable."""
-        return {
-            "steps": self.steps,
-            "train_loss": self.losses,
-            "train_seconds": self.seconds,
-            "selections": self.selections,
-            "evals": self.evals,
-            "budget_seconds": self.budget_seconds,
-            "budget_eval": self.budget_eval,
-            "total_train_seconds": round(self.train_seconds, 4),
-        }
+        """Everything recorded, JSON-serialisable (with LCSB's probe results when it probed)."""
+        return {"steps": self.steps, "train_loss": self.losses, "train_seconds": self.seconds,
+                "selections": self.selections, "evals": self.evals, "probes": self.probes,
+                "total_train_seconds": round(self.total_seconds, 4)}
+
+
+def _lcsb(trainer: Trainer) -> Any:
+    from lcsb_lightning.callback import LCSBCallback
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, LCSBCallback)), None)

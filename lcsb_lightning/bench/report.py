@@ -33,55 +33,119 @@ def _loss(metrics: Mapping[str, Any] | None) -> float | None:
     return None if not metrics else metrics.get("val/loss")
 
 
-def _final_eval(r: Mapping[str, Any]) -> dict[str, Any]:
-    """The final evaluation as the wall-clock point of an arm that hit its step cap before spending its
-    budget (it used less time than the baseline, so the comparison still favours the baseline)."""
-    summary, curves = r.get("summary") or {}, r.get("curves") or {}
-    return {"step": summary.get("steps"), "train_seconds": curves.get("total_train_seconds"),
-            "metrics": summary.get("final_metrics")}
+def _final(r: Mapping[str, Any]) -> dict[str, Any] | None:
+    return r["eval_at_steps"].get(str(r["summary"].get("steps") or r["steps"]))
 
 
-def quality_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
-    """One row per quality arm: eval loss and metric at equal steps and at the baseline's wall-clock budget.
+def retention(initial: float | None, loss: float | None, baseline: float | None) -> float | None:
+    """Share of the baseline's eval-loss improvement an arm keeps: ``(L0 - L) / (L0 - L_base)``."""
+    if None in (initial, loss, baseline) or initial == baseline:
+        return None
+    return (initial - loss) / (initial - baseline)  # type: ignore[operator]
 
-    ``degradation_pct`` compares eval loss at equal steps with the arm's baseline (the full-backprop
-    arm it is paired with); ``wallclock_delta_pct`` compares the eval loss at the equal wall-clock
-    budget with the baseline's final eval loss (negative: better than full backprop).
+
+def eval_rises(r: Mapping[str, Any], tolerance: float = 0.005) -> bool:
+    """Whether the eval loss ends above its best by more than ``tolerance`` while the training loss kept
+    falling (the failure the identity path shows on a real model)."""
+    evals = sorted((int(s), m.get("val/loss")) for s, m in r["eval_at_steps"].items() if m and m.get("val/loss") is not None)
+    if len(evals) < 3:
+        return False
+    best_step, best = min(evals, key=lambda e: e[1])
+    final_step, final = evals[-1]
+    losses = r["curves"]["train_loss"]
+
+    def train_at(step: int, window: int = 10) -> float:
+        part = losses[max(0, step - window) : max(step, 1)]
+        return sum(part) / len(part) if part else math.inf
+
+    return final > best + tolerance and train_at(final_step) < train_at(best_step)
+
+
+def finetune_rows(results: Sequence[Mapping[str, Any]], speed_ups: Mapping[str, Mapping[str, float]]) -> list[Row]:
+    """One row per fine-tuning arm: final eval loss and task metric, the share of the baseline's
+    improvement retained, the change against the baseline, and the arm's recipe-loop speed-up.
+
+    Equal-steps arms are compared with the baseline after the same steps; an equal-wall-clock arm
+    (``run == "wallclock"``) trained ``steps x speed-up`` steps, the time the baseline took for its
+    steps, and is compared with the baseline's final evaluation.
     """
     by_name = {r["name"]: r for r in results}
     rows: list[Row] = []
     for r in results:
-        steps = str(r["equal_steps"])
-        at_steps = r["eval_at_steps"].get(steps)
+        labels = r["labels"]
         base = by_name.get(r["baseline"] or r["name"])
-        base_at_steps = base["eval_at_steps"].get(steps) if base else None
-        budget = (r.get("eval_at_budget") or _final_eval(r)) if r.get("wallclock", True) else {}
-        base_budget = (base or {}).get("eval_at_budget") or {}
-        metric_name, metric = task_metric(at_steps)
-        row: Row = {
-            "task": r["labels"]["task"], "arm": r["labels"]["arm"], "baseline": (base or {}).get("labels", {}).get("arm"),
-            "steps": int(steps), "initial_loss": _loss(r["eval_at_steps"].get("0")),
-            "loss": _loss(at_steps), "metric_name": metric_name, "metric": metric,
+        base_final = _loss(_final(base)) if base else None
+        initial = _loss(r["eval_at_steps"].get("0"))
+        final = _final(r)
+        metric_name, metric = task_metric(final)
+        rows.append({
+            "task": labels["task"], "arm": labels["arm"], "run": labels.get("run", "steps"),
+            "baseline": (base or {}).get("labels", {}).get("arm"), "steps": r["summary"].get("steps"),
+            "initial_loss": initial, "loss": _loss(final), "metric_name": metric_name, "metric": metric,
             "initial_metric": task_metric(r["eval_at_steps"].get("0"))[1],
-            "degradation_pct": rel_change(_loss(at_steps), _loss(base_at_steps)) if r["baseline"] else 0.0,
-            "train_seconds": r.get("train_seconds_at_steps"),
-            "steps_per_s": (r["summary"] or {}).get("steps_per_second"),
-            "budget_seconds": budget.get("train_seconds"), "budget_step": budget.get("step"),
-            "budget_loss": _loss(budget.get("metrics")), "budget_metric": task_metric(budget.get("metrics"))[1],
-            "wallclock_delta_pct": rel_change(_loss(budget.get("metrics")), _loss(base_budget.get("metrics"))),
-            "diverged": r.get("diverged"),
-        }
-        rows.append(row)
+            "retention": retention(initial, _loss(final), base_final),
+            "delta_pct": rel_change(_loss(final), base_final) if r["baseline"] else 0.0,
+            "speedup": speed_ups.get(labels["task"], {}).get(labels["arm"]),
+            "eval_rises": eval_rises(r), "diverged": r.get("diverged"),
+            "train_seconds": (r.get("curves") or {}).get("total_train_seconds"),
+        })
     return rows
 
 
-def speed_rows(timing: Mapping[str, Mapping[str, Any]], memory: Sequence[Mapping[str, Any]]) -> list[Row]:
-    """One row per shape x arm: median step time, steps/s, speed-up vs ``full`` and the Amdahl bound, peak RSS.
+def block_groups(num_blocks: int, groups: int = 4) -> list[list[int]]:
+    """Consecutive groups of blocks from the bottom (``groups`` of near-equal size)."""
+    from lcsb_lightning.policies import balanced_groups
+
+    return balanced_groups(list(range(num_blocks)), min(groups, num_blocks))
+
+
+def probe_rows(results: Sequence[Mapping[str, Any]], groups: int = 4) -> list[Row]:
+    """Gradient alignment over training, per arm and depth group: mean cosine of the gradient used
+    against the exact one, the share of probed block gradients pointing the right way (cosine > 0),
+    and the mean norm ratio."""
+    rows: list[Row] = []
+    for r in results:
+        probes = (r.get("curves") or {}).get("probes") or []
+        num_blocks = int((r.get("summary") or {}).get("num_blocks") or 0)
+        if not probes or not num_blocks:
+            continue
+        for g, blocks in enumerate(block_groups(num_blocks, groups)):
+            cos = [p["cosine"][str(b)] for p in probes for b in blocks if str(b) in p["cosine"]]
+            ratio = [p["norm_ratio"][str(b)] for p in probes for b in blocks if str(b) in p["norm_ratio"]]
+            if not cos:
+                continue
+            rows.append({"task": r["labels"]["task"], "arm": r["labels"]["arm"], "run": r["labels"].get("run", "steps"),
+                         "group": g, "blocks": f"{blocks[0]}-{blocks[-1]}", "n": len(cos),
+                         "mean_cos": sum(cos) / len(cos), "share_positive": sum(c > 0 for c in cos) / len(cos),
+                         "mean_norm_ratio": sum(ratio) / len(ratio) if ratio else None})
+    return rows
+
+
+def recipe_speed_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
+    """One row per task x arm of the recipe-loop timing: median step time, speed-up, and its phases."""
+    rows: list[Row] = []
+    for r in results:
+        arms = r["timing"]["arms"]
+        base = arms.get(r["baseline"], {}).get("total")
+        for name, phases in arms.items():
+            rows.append({"task": r["labels"]["task"], "arm": name, "median_s": phases.get("total"),
+                         "speedup": base / phases["total"] if base and phases.get("total") else None,
+                         "phases": {k: v for k, v in phases.items() if k != "total"},
+                         "loadavg": [r["timing"].get("loadavg_before"), r["timing"].get("loadavg_after")]})
+    return rows
+
+
+def step_seconds(recipe_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], float]:
+    """``(task, arm) -> median recipe-loop step time``, the wall-clock axis of the loss plots."""
+    return {(r["task"], r["arm"]): r["median_s"] for r in recipe_rows if r.get("median_s")}
+
+
+def speed_rows(timing: Mapping[str, Mapping[str, Any]]) -> list[Row]:
+    """One row per shape x arm: median step time, steps/s, speed-up vs ``full`` and the Amdahl bound.
 
     The bound of an arm training k of N blocks is ``T_full / (T_fwd + (T_full - T_fwd) * k / N)``,
     from the same process's forward-only time.
     """
-    mem = {(m["labels"]["shape"], m["labels"]["arm"]): m for m in memory}
     rows: list[Row] = []
     for shape, t in timing.items():
         arms = t["arms"]
@@ -89,22 +153,20 @@ def speed_rows(timing: Mapping[str, Mapping[str, Any]], memory: Sequence[Mapping
         t_fwd, n = t.get("forward_median_s"), t.get("num_blocks") or 0
         for name, a in arms.items():
             k = a.get("k")
-            bound = None
-            if full and t_fwd is not None and k and n:
-                bound = full / (t_fwd + (full - t_fwd) * k / n)
-            m = mem.get((shape, name), {})
+            bound = full / (t_fwd + (full - t_fwd) * k / n) if full and t_fwd is not None and k and n else None
             rows.append({
                 "shape": shape, "arm": name, "k": k, "num_blocks": n, "median_s": a["median_s"],
                 "steps_per_s": a["steps_per_s"], "speedup": (full / a["median_s"]) if full else None,
-                "amdahl_bound": bound, "peak_rss_mb": m.get("peak_rss_mb"),
-                "peak_rss_after_load_mb": m.get("peak_rss_after_load_mb"),
-                "loadavg": [t.get("loadavg_before"), t.get("loadavg_after")],
+                "amdahl_bound": bound, "loadavg": [t.get("loadavg_before"), t.get("loadavg_after")],
             })
-    for (shape, name), m in mem.items():  # memory measured without a timing run
-        if shape not in timing:
-            rows.append({"shape": shape, "arm": name, "k": m.get("k"), "num_blocks": m.get("num_blocks"),
-                         "peak_rss_mb": m.get("peak_rss_mb"), "peak_rss_after_load_mb": m.get("peak_rss_after_load_mb")})
     return rows
+
+
+def memory_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
+    """One row per memory arm: peak RSS, the part the model and training cost, step time, decompression."""
+    keys = ("peak_rss_mb", "rss_after_import_mb", "model_and_training_mb", "rss_after_load_mb", "step_s",
+            "mebp/decompress_bwd_ms", "mebp/backward_ms")
+    return [{**dict(r["labels"]), **{k: r.get(k) for k in keys}} for r in results]
 
 
 def stability_grid(results: Sequence[Mapping[str, Any]]) -> list[Row]:
@@ -119,8 +181,7 @@ def stability_grid(results: Sequence[Mapping[str, Any]]) -> list[Row]:
         cell["diverged"] += int(bool(r["diverged"]))
         if r["diverged"]:
             cell["reasons"].append(f"seed {lab['seed']}: {r['divergence_reason']}")
-        steps = str(r["equal_steps"])
-        cell["final_losses"].append(_loss(r["eval_at_steps"].get(steps)))
+        cell["final_losses"].append(_loss(_final(r)))
         cell["initial_losses"].append(_loss(r["eval_at_steps"].get("0")))
     return sorted(cells.values(), key=lambda c: (c["fmt"], c["arm"], c["lr"]))
 
@@ -149,39 +210,65 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _finetune_section(title: str, rows: Sequence[Row], probes: Sequence[Row]) -> list[str]:
+    out = [f"## {title}", "",
+           "Retention = (L0 - L) / (L0 - L_full): the share of full backprop's eval-loss improvement an arm keeps "
+           "(equal steps: after the same steps; equal wall-clock: after the time full backprop took). "
+           "Speed-up: recipe-loop step time of full backprop over the arm's (recipe_speed study).", "",
+           table(["task", "arm", "run", "steps", "eval loss (start -> end)", "metric (start -> end)", "retention",
+                  "vs full", "speed-up", "eval rises"],
+                 [[r["task"], r["arm"], r["run"], str(r["steps"]), f"{_f(r['initial_loss'])} -> {_f(r['loss'])}",
+                   f"{r['metric_name']} {_f(r['initial_metric'])} -> {_f(r['metric'])}",
+                   _f(None if r["retention"] is None else 100 * r["retention"], ".1f", "%"),
+                   "baseline" if r["baseline"] == r["arm"] and r["run"] == "steps" else _f(r["delta_pct"], "+.2f", "%"),
+                   _f(r["speedup"], ".2f", "x"), "yes" if r["eval_rises"] else "no"] for r in rows]), ""]
+    if probes:
+        out += [f"### Gradient alignment over training ({title.lower()})", "",
+                "Per depth group (bottom first), over every probe of the run: mean cosine between the gradient "
+                "the step used and the exact gradient on the same batch, the share of probed block gradients "
+                "pointing the right way (cosine > 0), and the mean norm ratio |used| / |exact|.", "",
+                table(["task", "arm", "group", "blocks", "probes", "mean cosine", "cosine > 0", "norm ratio"],
+                      [[p["task"], p["arm"], str(p["group"]), p["blocks"], str(p["n"]), _f(p["mean_cos"]),
+                        _f(100 * p["share_positive"], ".0f", "%"), _f(p["mean_norm_ratio"], ".2f")] for p in probes]), ""]
+    return out
+
+
 def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
-    """``results.md``: the speed, memory, quality and stability tables with the goals next to them."""
+    """``results.md``: every study's tables."""
     out = [f"# LCSB benchmark: {meta.get('name', '')}", "",
            f"Command: `{meta.get('command', '')}`  ", f"Machine: {meta.get('machine', '')}  ",
            f"Date: {meta.get('date', '')}", ""]
+    recipe = tables.get("recipe_speed") or []
+    if recipe:
+        phase_names = [p for p in ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between",
+                                   "lm_head_forward", "lm_head_backward") if any(p in r["phases"] for r in recipe)]
+        out += ["## Speed in the recipe's own training loop (medians, arms alternating in one process)", "",
+                table(["task", "arm", "s/step", "speed-up", *phase_names],
+                      [[r["task"], r["arm"], _f(r["median_s"]), _f(r["speedup"], ".2f", "x"),
+                        *[_f(r["phases"].get(p)) for p in phase_names]] for r in recipe]), ""]
+        loads = {r["task"]: r["loadavg"] for r in recipe if r.get("loadavg") and r["loadavg"][0]}
+        out += [f"Load average (1, 5, 15 min) before -> after timing {task}: "
+                f"{', '.join(f'{x:.1f}' for x in la[0])} -> {', '.join(f'{x:.1f}' for x in la[1])}  " for task, la in loads.items()]
+        out.append("")
+    for study, title in (("quality", "Quality"), ("ablation", "Ablations")):
+        if tables.get(study):
+            out += _finetune_section(title, tables[study], tables.get(f"{study}_probes") or [])
     speed = tables.get("speed") or []
     if speed:
-        out += ["## Speed and memory (QuantizedMeBP, LoRA, identity LCSB; medians, arms alternating in one process)", "",
-                "Goal: LCSB cyclic k = N/4 at least 2x the steps/s of full backprop on every shape. Paper: up to 1.40x.", "",
-                table(["shape", "arm", "k/N", "step (s)", "steps/s", "speed-up", "Amdahl bound", "peak RSS (MiB)"],
+        out += ["## Speed of the random-init shapes (QuantizedMeBP, LoRA; medians, arms alternating in one process)", "",
+                table(["shape", "arm", "k/N", "step (s)", "steps/s", "speed-up", "Amdahl bound"],
                       [[r["shape"], r["arm"], f"{r.get('k')}/{r.get('num_blocks')}", _f(r.get("median_s")),
-                        _f(r.get("steps_per_s")), _f(r.get("speedup"), ".2f", "x"), _f(r.get("amdahl_bound"), ".2f", "x"),
-                        _f(r.get("peak_rss_mb"), ".0f")] for r in speed]), ""]
-        loads = {r["shape"]: r.get("loadavg") for r in speed if r.get("loadavg") and r["loadavg"][0]}
-        out += [f"Load average (1, 5, 15 min) before -> after timing {shape}: "
-                f"{', '.join(f'{x:.1f}' for x in la[0])} -> {', '.join(f'{x:.1f}' for x in la[1])}  " for shape, la in loads.items()]
-        out.append("")
-    quality = tables.get("quality") or []
-    if quality:
-        out += ["## Quality at equal steps", "",
-                "Goal: final eval loss of LCSB k = N/4 within 2% of full backprop. Paper: < 2% degradation.", "",
-                table(["task", "arm", "steps", "eval loss (start -> end)", "metric (start -> end)", "vs baseline"],
-                      [[r["task"], r["arm"], str(r["steps"]), f"{_f(r['initial_loss'])} -> {_f(r['loss'])}",
-                        f"{r['metric_name']} {_f(r['initial_metric'])} -> {_f(r['metric'])}",
-                        "baseline" if r["baseline"] == r["arm"] else f"{_f(r['degradation_pct'], '+.2f', '%')} vs {r['baseline']}"]
-                       for r in quality]), "",
-                "## Quality at equal wall-clock (each arm trains until it has spent the baseline's train time, or hits its step cap)", "",
-                "Goal: LCSB at or below full backprop.", "",
-                table(["task", "arm", "train time (s)", "steps", "eval loss", "metric", "vs baseline"],
-                      [[r["task"], r["arm"], _f(r["budget_seconds"], ".1f"), str(r["budget_step"]), _f(r["budget_loss"]),
-                        _f(r["budget_metric"]),
-                        "baseline" if r["baseline"] == r["arm"] else f"{_f(r['wallclock_delta_pct'], '+.2f', '%')} vs {r['baseline']}"]
-                       for r in quality if r["budget_loss"] is not None or r["baseline"] == r["arm"]]), ""]
+                        _f(r.get("steps_per_s")), _f(r.get("speedup"), ".2f", "x"), _f(r.get("amdahl_bound"), ".2f", "x")]
+                       for r in speed]), ""]
+    memory = tables.get("memory") or []
+    if memory:
+        out += ["## Memory (one fresh process per arm)", "",
+                "Peak: whole-process peak RSS. Model + training: peak minus the RSS right after importing the stack.", "",
+                table(["shape", "arm", "allocator", "peak RSS (MiB)", "model + training (MiB)", "after load (MiB)", "s/step",
+                       "decompression in backward (ms)"],
+                      [[r["shape"], r["arm"], r["malloc"], _f(r["peak_rss_mb"], ".0f"), _f(r["model_and_training_mb"], ".0f"),
+                        _f(r["rss_after_load_mb"], ".0f"), _f(r["step_s"], ".2f"), _f(r.get("mebp/decompress_bwd_ms"), ".0f")]
+                       for r in memory]), ""]
     grid = tables.get("stability") or []
     if grid:
         out += ["## 4-bit stability (diverged runs / runs)", "",
@@ -192,6 +279,12 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
         named = only_full_diverges(grid)
         out.append("Full backprop diverges where LCSB does not: " + (", ".join(named) if named else "none") + ".")
         out.append("")
+    ddp = tables.get("ddp_speed") or []
+    if ddp:
+        out += ["## DDP step time (CPU, gloo)", "",
+                table(["config", "processes", "strategy", "s/step (median)", "tokens/s"],
+                      [[r["labels"]["config"], str(r.get("processes")), str(r.get("strategy")), _f(r.get("median_s")),
+                        _f(r.get("tokens_per_s"), ".0f")] for r in ddp]), ""]
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     return "\n".join(out)

@@ -1,4 +1,9 @@
-"""The resumable benchmark driver: run the configured studies' pending arms, then tables, plots and results."""
+"""The resumable benchmark driver: run the configured studies' pending arms, then tables, plots and results.
+
+An arm's ``result.json`` carries a hash of the settings that produced it; a rerun skips an arm only
+when that hash matches its current settings, and runs it again otherwise (never reporting stale
+numbers under new settings).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import plots, report
-from lcsb_lightning.bench.finetune_arm import Compose, run_finetune_arm
+from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.spec import (
-    RESULT_NAME, STUDIES, Arm, arm_dir, load_result, quality_arms, slug, speed_arms, stability_arms,
+    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
+    recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
@@ -35,11 +41,18 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     unknown = [s for s in studies if s not in STUDIES]
     if unknown or not studies:
         raise ValueError(f"benchmark.studies must be a non-empty subset of {list(STUDIES)}, got {studies}")
-    expand = {"quality": quality_arms, "speed": speed_arms, "stability": stability_arms}
+    missing = [s for s in studies if s not in bench]
+    if missing:
+        raise ValueError(f"benchmark.studies names {missing} but the benchmark config has no such section")
+    expand: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
+        "quality": lambda c: finetune_arms("quality", c), "ablation": lambda c: finetune_arms("ablation", c),
+        "recipe_speed": recipe_speed_arms, "speed": speed_arms, "memory": memory_arms, "stability": stability_arms,
+        "ddp_speed": ddp_speed_arms,
+    }
     arms = {s: expand[s](bench[s]) for s in studies}
-    for study in ("quality", "stability"):
+    for study in (*FINETUNE_STUDIES, "stability"):
         if study in arms and int(bench[study]["steps"]) < 1:
-            raise ValueError(f"benchmark.{study}.steps must be >= 1")
+            raise ValueError(f"benchmark.{study}.steps must be >= 1, got {bench[study]['steps']}")
     return arms
 
 
@@ -54,36 +67,83 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads; Python {platform.python_version()}")
 
 
-def _run_quality(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, compose: Compose) -> None:
-    steps, every = int(q["steps"]), int(q.get("eval_every") or 0)
-    eval_steps = list(range(every, steps, every)) if every else []
-    for arm in arms:
-        if load_result(root, arm) is not None:
-            log.info("quality %s: done, skipped", arm.name)
+# ------------------------------------------------------------------------- fine-tuning studies
+def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """``{task: {arm: speed-up over the baseline}}`` measured by the ``recipe_speed`` study."""
+    r = bench.get("recipe_speed")
+    if not r:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for arm in recipe_speed_arms(r):
+        result = load_result(root, arm)
+        if result is None:
             continue
-        budget = None
-        if arm.baseline and arm.wallclock:
-            base = load_result(root, Arm("quality", arm.baseline))
-            budget = (base or {}).get("train_seconds_at_steps")
-            if budget is None:
-                raise RuntimeError(f"quality arm {arm.name}: its baseline {arm.baseline} has no train time; run it first")
-        log.info("quality %s: running (budget %s s)", arm.name, budget)
-        run_finetune_arm(arm, arm_dir(root, arm), compose, steps, eval_steps, budget,
-                         max_steps=int(q.get("max_steps_factor", 4)) * steps)
+        medians = result["timing"]["arms"]
+        base = medians.get(r["baseline"], {}).get("total")
+        out[arm.labels["task"]] = {name: base / m["total"] for name, m in medians.items() if base and m.get("total")}
+    return out
+
+
+def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, compose: Compose,
+                        bench: Mapping[str, Any]) -> None:
+    steps, every = int(q["steps"]), int(q.get("eval_every") or 0)
+    for arm in arms:
+        run_steps = steps
+        if arm.wallclock_of is not None:
+            factor = speedups(root, bench).get(arm.labels["task"], {}).get(arm.labels["arm"])
+            if factor is None:
+                raise RuntimeError(
+                    f"{arm.study} arm {arm.name} trains for its baseline's wall-clock time, which needs the speed-up "
+                    f"of {arm.labels['arm']!r} on {arm.labels['task']!r} from the recipe_speed study: add it to "
+                    "benchmark.studies (before this study) with that task and arm"
+                )
+            run_steps = max(steps, round(steps * factor))
+        eval_steps = [*range(every, run_steps, every), run_steps] if every else [run_steps]
+        cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
+        expected = settings_hash(arm_settings(cfg, eval_steps))
+        if load_result(root, arm, expected) is not None:
+            log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
+            continue
+        log.info("%s %s: running %d steps", arm.study, arm.name, run_steps)
+        run_finetune_arm(arm, arm_dir(root, arm), cfg, run_steps, eval_steps)
         gc.collect()
 
 
-def _run_stability(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose) -> None:
+def _run_stability(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
+    steps = int(s["steps"])
     for arm in arms:
-        if load_result(root, arm) is not None:
-            log.info("stability %s: done, skipped", arm.name)
+        cfg = arm_config(arm, compose, steps)
+        expected = settings_hash(arm_settings(cfg, [steps]))
+        if load_result(root, arm, expected) is not None:
+            log.info("stability %s: done with these settings, skipped", arm.name)
             continue
         log.info("stability %s: running", arm.name)
-        run_finetune_arm(arm, arm_dir(root, arm), compose, int(s["steps"]))
+        run_finetune_arm(arm, arm_dir(root, arm), cfg, steps, [steps])
         gc.collect()
 
 
-def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose) -> None:
+# ----------------------------------------------------------------------------- timing studies
+def _run_recipe_speed(arms: Sequence[Arm], r: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
+    from lcsb_lightning.bench.recipe_speed import time_task
+
+    for arm in arms:
+        task = arm.labels["task"]
+        settings = {"task": task, "arms": r["arms"], "common": [*r.get("common", ()), *r.get("task_overrides", {}).get(task, ())],
+                    "rounds": r["rounds"], "steps_per_round": r["steps_per_round"], "model": r["model"]}
+        expected = settings_hash(settings)
+        if load_result(root, arm, expected) is not None:
+            log.info("recipe_speed %s: done with these settings, skipped", task)
+            continue
+        folder = arm_dir(root, arm)
+        common = [f"model={r['model']}", *settings["common"]]
+        timing = time_task(task, {n: list(o) for n, o in r["arms"].items()}, common, compose, int(r["rounds"]),
+                           int(r["steps_per_round"]), folder / "logs")
+        atomic_write_json(folder / RESULT_NAME, {"study": "recipe_speed", "name": arm.name, "labels": dict(arm.labels),
+                                                 "baseline": r["baseline"], "timing": timing, "settings_hash": expected})
+        gc.collect()
+
+
+def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
     from lcsb_lightning.bench import speed
 
     chunk = s.get("chunk_size") or None
@@ -95,59 +155,119 @@ def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: C
             configs[shape] = OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True)
         return configs[shape]
 
-    if s.get("memory", True):
-        for arm in arms:  # one fresh process per arm
-            if load_result(root, arm) is not None:
-                log.info("speed memory %s: done, skipped", arm.name)
-                continue
-            log.info("speed memory %s: running in a fresh process", arm.name)
-            folder = arm_dir(root, arm)
-            folder.mkdir(parents=True, exist_ok=True)
-            spec = {"model_config": model_cfg(arm.labels["shape"]), "fmt": s["fmt"], "fraction": arm.labels["fraction"],
-                    "seq_len": int(s["seq_len"]), "steps": int(s["memory_steps"]), "rank": int(s["rank"]), "chunk_size": chunk}
-            mem = speed.memory_subprocess(spec, folder / "memory.json", timeout=s.get("memory_timeout_s"))
-            atomic_write_json(folder / RESULT_NAME, {"study": "speed", "name": arm.name, "labels": dict(arm.labels), **mem})
+    backward = s.get("backward", "identity")
     fractions = {name: float(f) for name, f in s["arms"].items()}
     for shape in shapes:
         timing = Arm("speed", slug(shape, "timing"))
-        if load_result(root, timing) is not None:
-            log.info("speed timing %s: done, skipped", shape)
+        settings = {"shape": model_cfg(shape), "fmt": s["fmt"], "rank": s["rank"], "fractions": fractions,
+                    "seq_len": s["seq_len"], "steps": s["steps"], "warmup": s.get("warmup", 1), "chunk": chunk,
+                    "backward": backward}
+        expected = settings_hash(settings)
+        if load_result(root, timing, expected) is not None:
+            log.info("speed timing %s: done with these settings, skipped", shape)
             continue
         log.info("speed timing %s: building the model, then %s alternating steps per arm", shape, s["steps"])
         model = speed.build_model(model_cfg(shape), s["fmt"], int(s["rank"]), seed=0)
         out = speed.time_arms(model, fractions, int(s["seq_len"]), int(s["steps"]), int(s.get("warmup", 1)),
-                              chunk, vocab=min(256, int(model_cfg(shape)["vocab_size"])), log=log.info)
+                              chunk, vocab=min(256, int(model_cfg(shape)["vocab_size"])), log=log.info, backward=backward)
         del model
         gc.collect()
-        atomic_write_json(arm_dir(root, timing) / RESULT_NAME, {"study": "speed", "name": timing.name, "shape": shape, **out})
+        atomic_write_json(arm_dir(root, timing) / RESULT_NAME,
+                          {"study": "speed", "name": timing.name, "shape": shape, **out, "settings_hash": expected})
 
 
-def collect(root: Path, arms: Mapping[str, Sequence[Arm]]) -> dict[str, Any]:
+def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
+    from lcsb_lightning.bench import memory
+
+    for arm in arms:  # one fresh process per arm
+        shape = arm.labels["shape"]
+        model_config = OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True)
+        folder = root / "memory" / "_models" / slug(shape)
+        spec = {"arm": arm.labels["arm"], "model_config": model_config, "fmt": m["fmt"], "group_size": m.get("group_size", 64),
+                "fraction": m.get("fraction", 0.25), "backward": m.get("backward", "identity"), "seq_len": int(m["seq_len"]),
+                "rank": int(m["rank"]), "warmup": int(m.get("warmup", 1)), "steps": int(m["steps"]),
+                "malloc": arm.labels["malloc"]}
+        expected = settings_hash(spec)
+        if load_result(root, arm, expected) is not None:
+            log.info("memory %s: done with these settings, skipped", arm.name)
+            continue
+        if arm.labels["arm"] == "qlora":
+            memory.save_random_init(model_config, folder)
+        log.info("memory %s: running in a fresh process", arm.name)
+        out = arm_dir(root, arm)
+        if arm.labels["arm"] != "qlora":  # load_compressed builds the random init from the config itself
+            folder = None  # type: ignore[assignment]
+        figures = memory.measure({**spec, "folder": str(folder) if folder else None}, out / "memory.json",
+                                 timeout=m.get("timeout_s"))
+        atomic_write_json(out / RESULT_NAME, {"study": "memory", "name": arm.name, "labels": dict(arm.labels),
+                                              **figures, "settings_hash": expected})
+
+
+def _run_ddp_speed(arms: Sequence[Arm], d: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
+    from lcsb_lightning.bench.ddp_speed import time_config
+
+    for arm in arms:
+        name = arm.labels["config"]
+        settings = {**d["configs"][name], "model": d["model"], "steps": d["steps"], "warmup": d["warmup"],
+                    "seq_len": d["seq_len"], "fraction": d["fraction"], "backward": d.get("backward", "identity")}
+        expected = settings_hash(settings)
+        if load_result(root, arm, expected) is not None:
+            log.info("ddp_speed %s: done with these settings, skipped", name)
+            continue
+        folder = arm_dir(root, arm)
+        result = time_config(settings, folder)
+        atomic_write_json(folder / RESULT_NAME, {"study": "ddp_speed", "name": arm.name, "labels": dict(arm.labels),
+                                                 **result, "settings_hash": expected})
+
+
+RUNNERS: dict[str, Callable[..., None]] = {
+    "recipe_speed": _run_recipe_speed, "quality": _run_finetune_study, "ablation": _run_finetune_study,
+    "speed": _run_speed, "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
+}
+
+
+def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, Any]) -> dict[str, Any]:
     """Tables from every finished arm (missing arms are left out)."""
     tables: dict[str, Any] = {}
-    if "quality" in arms:
-        res = [r for a in arms["quality"] if (r := load_result(root, a)) is not None]
-        tables["quality"] = report.quality_rows(res)
-        tables["_quality_raw"] = res
+    speed_ups = speedups(root, bench)
+    for study in FINETUNE_STUDIES:
+        if study in arms:
+            res = [r for a in arms[study] if (r := load_result(root, a)) is not None]
+            tables[study] = report.finetune_rows(res, speed_ups)
+            tables[f"_{study}_raw"] = res
+            tables[f"{study}_probes"] = report.probe_rows(res)
+    if "recipe_speed" in arms:
+        res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
+        tables["recipe_speed"] = report.recipe_speed_rows(res)
     if "speed" in arms:
         shapes = list(dict.fromkeys(a.labels["shape"] for a in arms["speed"]))
         timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}
-        memory = [r for a in arms["speed"] if (r := load_result(root, a)) is not None]
-        tables["speed"] = report.speed_rows(timing, memory)
+        tables["speed"] = report.speed_rows(timing)
+    if "memory" in arms:
+        tables["memory"] = report.memory_rows([r for a in arms["memory"] if (r := load_result(root, a)) is not None])
     if "stability" in arms:
         res = [r for a in arms["stability"] if (r := load_result(root, a)) is not None]
         tables["stability"] = report.stability_grid(res)
+    if "ddp_speed" in arms:
+        tables["ddp_speed"] = [r for a in arms["ddp_speed"] if (r := load_result(root, a)) is not None]
     return tables
 
 
-def make_plots(root: Path, tables: Mapping[str, Any]) -> list[str]:
+def make_plots(root: Path, tables: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
     """Draw every plot the tables allow; returns their paths relative to ``root``."""
     out: list[Path] = []
-    if tables.get("_quality_raw"):
-        out.append(plots.loss_curves(tables["_quality_raw"], root / "plots" / "loss_curves.png"))
-        out.append(plots.selection_heatmap(tables["_quality_raw"], root / "plots" / "selection_heatmap.png"))
-    if [r for r in tables.get("speed") or [] if r.get("median_s") is not None or r.get("peak_rss_mb") is not None]:
-        out.append(plots.speed_bars(tables["speed"], root / "plots" / "speed_memory.png"))
+    step_seconds = report.step_seconds(tables.get("recipe_speed") or [])
+    for study in FINETUNE_STUDIES:
+        raw = tables.get(f"_{study}_raw")
+        if raw:
+            out.append(plots.loss_curves(raw, step_seconds, root / "plots" / f"{study}_loss_curves.png"))
+            out.append(plots.selection_heatmap(raw, root / "plots" / f"{study}_selection_heatmap.png"))
+            if any(r["curves"].get("probes") for r in raw):
+                out.append(plots.alignment(raw, root / "plots" / f"{study}_alignment.png"))
+    if tables.get("speed") or tables.get("memory"):
+        out.append(plots.speed_bars(tables.get("speed") or [], tables.get("memory") or [], root / "plots" / "speed_memory.png"))
+    if tables.get("recipe_speed"):
+        out.append(plots.phase_bars(tables["recipe_speed"], root / "plots" / "recipe_speed_phases.png"))
     if tables.get("stability"):
         out.append(plots.divergence_grid(tables["stability"], root / "plots" / "divergence_grid.png"))
     return [str(p.relative_to(root)) for p in out]
@@ -157,8 +277,9 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
                   command: str | None = None) -> dict[str, Any]:
     """Run the pending arms of the configured studies and write ``results.md``, ``results.json`` and plots.
 
-    An arm whose ``result.json`` exists is skipped, so an interrupted benchmark resumes where it stopped.
-    With ``report_only`` nothing runs: the tables, plots and results files cover the finished arms.
+    An arm whose ``result.json`` was produced by the same settings is skipped, so an interrupted
+    benchmark resumes where it stopped. With ``report_only`` nothing runs: the tables, plots and
+    results files cover the finished arms.
 
     Args:
         bench: The ``benchmark`` config node (``conf/benchmark/*.yaml``).
@@ -175,12 +296,12 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     load_before = os.getloadavg()
-    runners: dict[str, Callable[..., None]] = {"quality": _run_quality, "speed": _run_speed, "stability": _run_stability}
     if not bench.get("report_only", False):
-        for study in bench["studies"]:
-            runners[study](arms[study], bench[study], root, compose)
-    tables = collect(root, arms)
-    paths = make_plots(root, tables)
+        for study in STUDIES:  # in dependency order, whatever the order in the config
+            if study in arms:
+                RUNNERS[study](arms[study], bench[study], root, compose, bench)
+    tables = collect(root, arms, bench)
+    paths = make_plots(root, tables, bench)
     meta = {
         "name": bench.get("name", ""), "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": machine(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

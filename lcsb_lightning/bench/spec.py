@@ -1,17 +1,23 @@
-"""Arms of the benchmark's studies, the resume rule and the divergence rule (pure functions)."""
+"""Arms of the benchmark's studies, results keyed by the settings that produced them, and the divergence rule.
+
+Pure functions: no model is built here.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 RESULT_NAME = "result.json"
-STUDIES = ("quality", "speed", "stability")
+#: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
+STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed")
+FINETUNE_STUDIES = ("quality", "ablation")
 
 
 @dataclass(frozen=True)
@@ -19,13 +25,14 @@ class Arm:
     """One run of a study.
 
     Attributes:
-        study: ``quality``, ``speed`` or ``stability``.
+        study: One of :data:`STUDIES`.
         name: Unique within the study; also the folder name under ``<out>/<study>/``.
-        overrides: Hydra overrides of ``conf/config.yaml`` (fine-tuning arms) or arm settings (speed).
+        overrides: Hydra overrides of the fine-tuning config (fine-tuning arms) or none.
         labels: What the arm is (task, arm, fmt, lr, seed, shape ...), for tables and plots.
-        baseline: Name of the arm it is compared with (quality only): equal steps, and unless
-            ``wallclock`` is false, equal wall-clock (the baseline's train time is this arm's budget).
-        wallclock: Keep training past the equal steps until the baseline's train time is spent.
+        baseline: Name of the arm it is compared with (fine-tuning studies).
+        wallclock_of: For an equal-wall-clock run, the name of its equal-steps arm: it trains
+            ``steps x speed-up`` steps, the speed-up of its arm over the baseline measured by the
+            ``recipe_speed`` study.
     """
 
     study: str
@@ -33,17 +40,26 @@ class Arm:
     overrides: tuple[str, ...] = ()
     labels: Mapping[str, Any] = field(default_factory=dict)
     baseline: str | None = None
-    wallclock: bool = True
+    wallclock_of: str | None = None
 
 
 def slug(*parts: Any) -> str:
-    """A folder-safe name: ``slug("sst2", "cyclic_n4", 1e-4) == "sst2__cyclic_n4__0.0001"``."""
+    """A folder-safe name: ``slug("sst2", "cyclic n4", "lr/1") == "sst2__cyclic-n4__lr-1"``."""
     text = "__".join(str(p) for p in parts)
     return re.sub(r"[^A-Za-z0-9_.=-]+", "-", text)
 
 
-def quality_arms(q: Mapping[str, Any]) -> list[Arm]:
-    """Expand ``benchmark.quality`` into arms: every task x every arm, baselines first in each task.
+def settings_hash(settings: Any) -> str:
+    """A short hash of everything that determines an arm's result (its composed config, study settings)."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
+    """Expand a fine-tuning study (``quality`` or ``ablation``) into arms.
+
+    Every task x every arm runs ``steps`` steps; an arm with a baseline and ``wallclock: true`` gets
+    a twin that trains for the baseline's wall-clock time instead. Baselines come first in each task.
 
     Raises:
         ValueError: an arm names a baseline that is not an arm, or an unknown key in ``task_overrides``.
@@ -52,11 +68,11 @@ def quality_arms(q: Mapping[str, Any]) -> list[Arm]:
     for name, arm in arms_cfg.items():
         base = arm.get("baseline")
         if base is not None and base not in arms_cfg:
-            raise ValueError(f"quality arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
+            raise ValueError(f"{study} arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
     task_overrides: Mapping[str, Sequence[str]] = q.get("task_overrides") or {}
     unknown = set(task_overrides) - set(q["tasks"])
     if unknown:
-        raise ValueError(f"task_overrides for tasks not in quality.tasks: {sorted(unknown)}")
+        raise ValueError(f"task_overrides for tasks not in {study}.tasks: {sorted(unknown)}")
     order = sorted(arms_cfg, key=lambda n: arms_cfg[n].get("baseline") is not None)  # stable: baselines first
     out: list[Arm] = []
     for task in q["tasks"]:
@@ -67,9 +83,18 @@ def quality_arms(q: Mapping[str, Any]) -> list[Arm]:
                 *task_overrides.get(task, ()), *arm["overrides"],
             )
             base = arm.get("baseline")
-            out.append(Arm("quality", slug(task, name), tuple(overrides), {"task": task, "arm": name},
-                           slug(task, base) if base else None, bool(arm.get("wallclock", True))))
+            labels = {"task": task, "arm": name, "run": "steps"}
+            equal_steps = Arm(study, slug(task, name), tuple(overrides), labels, slug(task, base) if base else None)
+            out.append(equal_steps)
+            if base and arm.get("wallclock", False):
+                out.append(Arm(study, slug(task, name, "wallclock"), tuple(overrides), {**labels, "run": "wallclock"},
+                               equal_steps.baseline, wallclock_of=equal_steps.name))
     return out
+
+
+def recipe_speed_arms(r: Mapping[str, Any]) -> list[Arm]:
+    """One timing arm per task (all of the task's arms alternate inside it)."""
+    return [Arm("recipe_speed", slug(task), (), {"task": task}) for task in r["tasks"]]
 
 
 def stability_arms(s: Mapping[str, Any]) -> list[Arm]:
@@ -89,7 +114,7 @@ def stability_arms(s: Mapping[str, Any]) -> list[Arm]:
 
 
 def speed_arms(s: Mapping[str, Any]) -> list[Arm]:
-    """Expand ``benchmark.speed`` into one memory arm per shape x arm (timing runs per shape)."""
+    """Expand ``benchmark.speed`` into its arms: shape x arm (one timing run per shape alternates them)."""
     out: list[Arm] = []
     for shape in s["shapes"]:
         for name, fraction in s["arms"].items():
@@ -98,27 +123,37 @@ def speed_arms(s: Mapping[str, Any]) -> list[Arm]:
     return out
 
 
+def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
+    """Expand ``benchmark.memory``: shape x arm (``qlora``, ``mebp``, ``mebp_lcsb``) x allocator setting."""
+    return [Arm("memory", slug(shape, arm, malloc), (), {"shape": shape, "arm": arm, "malloc": malloc})
+            for shape in m["shapes"] for arm in m["arms"] for malloc in m.get("malloc", ["default"])]
+
+
+def ddp_speed_arms(d: Mapping[str, Any]) -> list[Arm]:
+    """One arm per configuration of the DDP step-time study (processes x strategy)."""
+    return [Arm("ddp_speed", slug(name), (), {"config": name}) for name in d["configs"]]
+
+
 def arm_dir(root: Path, arm: Arm) -> Path:
     """``<root>/<study>/<name>``."""
     return root / arm.study / arm.name
 
 
-def load_result(root: Path, arm: Arm) -> dict[str, Any] | None:
-    """The arm's finished result, or None when it has not finished (no or unreadable ``result.json``)."""
+def load_result(root: Path, arm: Arm, expected_hash: str | None = None) -> dict[str, Any] | None:
+    """The arm's finished result, or None when it must run: no or unreadable ``result.json``, or one
+    produced by other settings (its ``settings_hash`` differs from ``expected_hash``)."""
     path = arm_dir(root, arm) / RESULT_NAME
     try:
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def pending(root: Path, arms: Iterable[Arm]) -> list[Arm]:
-    """Arms still to run: those without a readable ``result.json`` (a resumed benchmark skips the rest)."""
-    return [arm for arm in arms if load_result(root, arm) is None]
+    if expected_hash is not None and result.get("settings_hash") != expected_hash:
+        return None
+    return result
 
 
 def diverged(train_losses: Sequence[float], initial_eval: float | None, final_eval: float | None) -> tuple[bool, str]:
-    """The issue's divergence rule.
+    """The divergence rule of the stability study.
 
     A run diverges when any training loss or the final eval loss is not finite, or when the final
     eval loss is above its value before training.

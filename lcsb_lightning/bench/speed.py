@@ -1,23 +1,17 @@
-"""Speed and memory study: steps/s alternating arms in one process, whole-process peak RSS one process per arm.
+"""Speed study: steps/s of the random-init shapes, the arms alternating step by step in one process.
 
 Every arm is LoRA on a ``QuantizedMeBP`` model built straight in compressed form
 (:func:`~lcsb_lightning.mebp.load_compressed` from the random-init shape), trained through
-:class:`~lcsb_lightning.controller.LCSBController` with identity backward and implicit momentum;
-full backprop is ``FullPolicy`` through the same code path. Memory runs go through
-``python -m lcsb_lightning.bench.speed``, one fresh process per arm, reading ``ru_maxrss`` at the end.
+:class:`~lcsb_lightning.controller.LCSBController` with the study's backward mode and implicit momentum;
+full backprop is ``FullPolicy`` through the same code path. Memory is the ``memory`` study's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +19,7 @@ from torch import nn
 
 from lcsb_lightning.controller import LCSBController
 from lcsb_lightning.policies import CyclicPolicy, FullPolicy, SelectionPolicy
-from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_policy(fraction: float) -> SelectionPolicy:
@@ -53,7 +45,7 @@ def build_model(model_config: Mapping[str, Any], fmt: str, rank: int, seed: int,
     config = instantiate(dict(model_config))
     torch.manual_seed(seed)
     model = load_compressed(config, fmt=fmt, group_size=group_size, checkpoint=True, seed=seed)
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
     model = get_peft_model(model, lora)
     model.train()
     return model
@@ -73,8 +65,9 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, chunk_size: int | None) -> t
 class ArmStepper:
     """Runs optimizer steps of several arms (policies) on one model, one controller per step."""
 
-    def __init__(self, model: nn.Module, fractions: Mapping[str, float], tokens: torch.Tensor, chunk_size: int | None):
-        self.model, self.tokens, self.chunk_size = model, tokens, chunk_size
+    def __init__(self, model: nn.Module, fractions: Mapping[str, float], tokens: torch.Tensor, chunk_size: int | None,
+                 backward: str = "identity"):
+        self.model, self.tokens, self.chunk_size, self.backward = model, tokens, chunk_size, backward
         self.policies = {name: make_policy(f) for name, f in fractions.items()}
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
@@ -85,7 +78,7 @@ class ArmStepper:
     def step(self, name: str) -> float:
         """One optimizer step of arm ``name``; returns its wall time in seconds."""
         start = time.perf_counter()
-        controller = LCSBController(self.model, self.policies[name], backward="identity", momentum="implicit")
+        controller = LCSBController(self.model, self.policies[name], backward=self.backward, momentum="implicit")
         try:
             selection = controller.begin_step(self.step_index[name], [self.optimizer]) or ()
             self.k[name], self.num_blocks = len(selection), controller.num_blocks
@@ -107,7 +100,7 @@ class ArmStepper:
 
 def time_arms(
     model: nn.Module, fractions: Mapping[str, float], seq_len: int, steps: int, warmup: int = 1,
-    chunk_size: int | None = 64, vocab: int = 256, log: Callable[[str], None] = print,
+    chunk_size: int | None = 64, vocab: int = 256, log: Callable[[str], None] = print, backward: str = "identity",
 ) -> dict[str, Any]:
     """Median step time per arm, the arms alternating step by step in this process.
 
@@ -115,7 +108,7 @@ def time_arms(
         ``{"arms": {name: {"median_s", "steps_per_s", "times", "k"}}, "forward_median_s", "num_blocks", "loadavg"}``.
     """
     tokens = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    stepper = ArmStepper(model, fractions, tokens, chunk_size)
+    stepper = ArmStepper(model, fractions, tokens, chunk_size, backward)
     load_before = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in fractions}
     forward: list[float] = []
@@ -134,45 +127,3 @@ def time_arms(
     }
     return {"arms": arms, "forward_median_s": statistics.median(forward), "num_blocks": stepper.num_blocks,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "threads": torch.get_num_threads()}
-
-
-def memory_in_this_process(
-    model_config: Mapping[str, Any], fmt: str, fraction: float, seq_len: int, steps: int, rank: int,
-    chunk_size: int | None, seed: int = 0,
-) -> dict[str, Any]:
-    """Build the model and train ``steps`` steps of one arm here; report this process's peak RSS."""
-    model = build_model(model_config, fmt, rank, seed)
-    after_load = peak_rss_mb()
-    vocab = int(model_config["vocab_size"])
-    tokens = torch.randint(0, min(vocab, 256), (1, seq_len), generator=torch.Generator().manual_seed(0))
-    stepper = ArmStepper(model, {"arm": fraction}, tokens, chunk_size)
-    for _ in range(steps):
-        stepper.step("arm")
-    return {"peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_after_load_mb": round(after_load, 1),
-            "steps": steps, "k": stepper.k.get("arm"), "num_blocks": stepper.num_blocks}
-
-
-def memory_subprocess(spec: Mapping[str, Any], out_json: Path, timeout: float | None = None) -> dict[str, Any]:
-    """Run :func:`memory_in_this_process` in a fresh interpreter (``spec`` = its keyword arguments)."""
-    spec_path = out_json.with_suffix(".spec.json")
-    atomic_write_json(spec_path, dict(spec))
-    cmd = [sys.executable, "-m", "lcsb_lightning.bench.speed", "--spec", str(spec_path), "--out", str(out_json)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-    return json.loads(out_json.read_text())
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lcsb_lightning.bench.speed --spec spec.json --out out.json`` (one memory arm)."""
-    parser = argparse.ArgumentParser(description="One memory arm of the speed study, in this fresh process.")
-    parser.add_argument("--spec", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
-    spec = json.loads(args.spec.read_text())
-    result = memory_in_this_process(**spec)
-    atomic_write_json(args.out, result)
-
-
-if __name__ == "__main__":
-    main()

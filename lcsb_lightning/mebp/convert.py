@@ -8,7 +8,7 @@ from typing import Iterable
 from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
-from lcsb_lightning.mebp.checkpoint import install_block_wrappers, remove_block_wrappers
+from lcsb_lightning.mebp.checkpoint import install_block_wrappers
 from lcsb_lightning.mebp.formats import Packed, quantize, validate_format
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.offload import MmapOffload
@@ -32,9 +32,6 @@ class MeBPState:
         """Remove the offload directory (the compressed layers stay)."""
         if self.offload is not None:
             self.offload.close()
-
-    def uninstall_wrappers(self) -> None:
-        remove_block_wrappers(self.blocks)
 
 
 def validate_args(fmt: str, group_size: int, checkpoint: bool, offload: str, ignore_modules: Iterable[str]) -> None:

@@ -84,6 +84,16 @@ class MmapOffload:
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
         atexit.register(self._finalizer)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"min_bytes": self.min_bytes, "parent_dir": self.parent_dir}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (deepcopy, pickle) writes into a directory of its own, never into the original's."""
+        self.min_bytes, self.parent_dir = state["min_bytes"], state["parent_dir"]
+        self._counter = itertools.count()
+        self.bytes_written = 0
+        self._open()
+
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
@@ -110,11 +120,6 @@ class MmapOffload:
     def files(self) -> list[str]:
         """Offload files currently on disk."""
         return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
-
-    def clear(self) -> None:
-        """Delete every offload file (call after a step whose graph is gone)."""
-        for name in self.files():
-            _unlink(os.path.join(self.path, name))
 
     def close(self) -> None:
         """Remove the temporary directory; idempotent (a later offload opens a new one)."""

@@ -9,49 +9,33 @@ from pathlib import Path
 from typing import Any
 
 DATA_HINT = (
-    "the presets read ${data_dir} (default ../shared/data relative to the repository root); pass "
-    "data_dir=/path/to/data on the command line, or set the task's hub: option to download the data "
-    "set from the Hugging Face hub (needs `pip install datasets` and network)"
+    "name an existing file, or run the preset without data_dir to load its data set from the Hugging Face "
+    "hub (needs network, or the data set in the local Hugging Face cache)"
 )
 
 
-def repo_root() -> Path:
-    """The repository root of an editable install (the folder holding ``conf/``)."""
-    return Path(__file__).resolve().parents[2]
-
-
-def resolve_path(path: str | Path) -> Path:
-    """Resolve a data path: absolute as is; relative to the working directory, else to the repository root.
-
-    Args:
-        path: A file path from a config.
-
-    Returns:
-        The resolved path (which may not exist; see :func:`require_file`).
-    """
+def resolve_path(path: str | Path, data_dir: str | Path | None = None) -> Path:
+    """A data path from a config: under ``data_dir`` when one is given, else as is (relative to the working directory)."""
     p = Path(path).expanduser()
-    if p.is_absolute():
-        return p
-    here = Path.cwd() / p
-    if here.exists():
-        return here.resolve()
-    alt = repo_root() / p
-    return alt.resolve() if alt.exists() else here.resolve()
+    if data_dir is not None and not p.is_absolute():
+        p = Path(data_dir).expanduser() / p
+    return p.resolve()
 
 
-def require_file(path: str | Path, hint: str | None = None) -> Path:
+def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str | None = None) -> Path:
     """Return the resolved path of an existing file or raise a FileNotFoundError naming it.
 
     Args:
         path: The file path from the config.
+        data_dir: Folder that relative paths are under (``data_dir=`` of the presets).
         hint: How to get the data; defaults to :data:`DATA_HINT`.
 
     Raises:
         FileNotFoundError: The file does not exist.
     """
-    p = resolve_path(path)
+    p = resolve_path(path, data_dir)
     if not p.is_file():
-        given = "" if str(path) == str(p) else f" (configured as {str(path)!r})"
+        given = "" if str(path) == str(p) else f" (configured as {str(path)!r}" + (f" under data_dir={str(data_dir)!r})" if data_dir else ")")
         raise FileNotFoundError(f"data file not found: {p}{given}; {hint or DATA_HINT}")
     return p
 
@@ -152,8 +136,22 @@ def check_fields(row: Mapping[str, Any], fields: Sequence[str], path: Path) -> N
         raise KeyError(f"field(s) {missing} not found in {path}; fields seen: {list(row.keys())}")
 
 
+HUB_KEYS = ("path", "name", "train_split", "eval_split", "text_field")
+
+
+def check_hub(hub: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a ``hub:`` node (before any download) and return it as a dict."""
+    unknown = sorted(set(hub) - set(HUB_KEYS))
+    if unknown or "path" not in hub:
+        raise ValueError(f"hub: needs `path` and takes only {', '.join(HUB_KEYS)}; got {dict(hub)}")
+    return dict(hub)
+
+
 def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
-    """Load one split of a Hugging Face hub data set (network and the ``datasets`` package needed).
+    """Load one split of a data set with ``datasets.load_dataset(path, name, split=split)``.
+
+    ``path`` is a hub id (network, or the local Hugging Face cache) or a local folder laid out as a
+    hub data set repository.
 
     Args:
         hub: ``{path: ..., name: ...}`` as given to ``datasets.load_dataset``.
@@ -161,10 +159,23 @@ def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
 
     Returns:
         The rows as dictionaries.
+
+    Raises:
+        ImportError: ``datasets`` is not installed.
+        ConnectionError: the data set could be reached neither on the hub nor in the local cache.
     """
     try:
         import datasets  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise ImportError("reading a task from the Hugging Face hub needs `pip install datasets`") from exc
-    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=split)
+        raise ImportError(
+            f"loading {hub['path']!r} from the Hugging Face hub needs the `datasets` package: "
+            "pip install 'lcsb-lightning[recipes]' (or pip install datasets), or give data_dir= with local files"
+        ) from exc
+    try:
+        ds = datasets.load_dataset(hub["path"], hub.get("name"), split=split)
+    except (ConnectionError, OSError) as exc:
+        raise ConnectionError(
+            f"could not load {hub['path']!r} (config {hub.get('name')!r}, split {split!r}) from the Hugging Face "
+            f"hub or its local cache ({exc}); without network, give data_dir= with local files"
+        ) from exc
     return [dict(r) for r in ds]

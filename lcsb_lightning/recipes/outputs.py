@@ -40,6 +40,52 @@ def atomic_write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def _logged_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``train/loss`` and ``val/loss`` as (step, value) pairs from TensorBoard events or a CSV log."""
+    series: dict[str, list[tuple[int, float]]] = {"train/loss": [], "val/loss": []}
+    events = sorted(log_dir.glob("events.out.tfevents.*"))
+    if events:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for path in events:
+            acc = EventAccumulator(str(path)).Reload()
+            for tag in series:
+                if tag in acc.Tags()["scalars"]:
+                    series[tag] += [(e.step, e.value) for e in acc.Scalars(tag)]
+    elif (log_dir / "metrics.csv").is_file():
+        import csv
+
+        with (log_dir / "metrics.csv").open() as handle:
+            for row in csv.DictReader(handle):
+                for tag in series:
+                    if row.get(tag):
+                        series[tag].append((int(row["step"]), float(row[tag])))
+    return series
+
+
+def write_loss_curve(log_dir: str | Path, path: Path) -> Path | None:
+    """A PNG of the training loss and the eval loss by step, read from the run's logs (None without any)."""
+    series = _logged_series(Path(log_dir))
+    if not series["train/loss"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for tag, style in (("train/loss", "-"), ("val/loss", "o-")):
+        points = sorted(series[tag])
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], style, label=tag, lw=1.2, ms=4)
+    ax.set(xlabel="optimizer step", ylabel="loss", title="loss by step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def save_adapter(model: nn.Module, path: Path) -> Path:
     """Save a peft model's adapter (``save_pretrained``) atomically into the folder ``path``.
 

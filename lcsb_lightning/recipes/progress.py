@@ -1,8 +1,10 @@
-"""A rich progress bar that shows the loss, the step time and LCSB's selected blocks."""
+"""What a run shows while and after it trains: the progress bar with LCSB's blocks, the train-time
+timer, and the closing table."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from lightning import LightningModule, Trainer
@@ -17,11 +19,13 @@ def _format_blocks(selection: tuple[int, ...], limit: int = 8) -> str:
 
 
 class StepTimer(Callback):
-    """Measures the wall time of every training batch (forward, backward and optimizer step)."""
+    """Sums the wall time of the training batches (forward, backward, optimizer step), validation excluded.
 
-    def __init__(self, window: int = 10) -> None:
-        self.window = window
-        self.recent: list[float] = []
+    Lightning's ``Timer`` counts the validation runs inside ``fit`` as training time and
+    ``ThroughputMonitor`` keeps its totals private, hence this one sum.
+    """
+
+    def __init__(self) -> None:
         self.total_seconds = 0.0
         self._t0: float | None = None
 
@@ -32,23 +36,39 @@ class StepTimer(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._t0 is not None:
-            dt = time.perf_counter() - self._t0
-            self.total_seconds += dt
-            self.recent = (self.recent + [dt])[-self.window :]
+            self.total_seconds += time.perf_counter() - self._t0
             self._t0 = None
 
 
 class LCSBProgressBar(RichProgressBar):
-    """``RichProgressBar`` that adds ``step_ms`` (from a :class:`StepTimer`) and LCSB's selected ``blocks``."""
+    """``RichProgressBar`` that adds LCSB's selected ``blocks`` (Rich already shows the step rate)."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        """Lightning's progress-bar metrics plus ``step_ms`` and ``blocks``."""
+        """Lightning's progress-bar metrics plus ``blocks``."""
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         for cb in trainer.callbacks:
-            if isinstance(cb, StepTimer) and cb.recent:
-                items["step_ms"] = f"{1000 * sum(cb.recent) / len(cb.recent):.0f}"
             selection = getattr(cb, "selection", None)
             if isinstance(selection, tuple):
                 items["blocks"] = _format_blocks(selection)
         return items
+
+
+def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
+    """The table printed at the end of ``lcsb-finetune``: initial vs final eval metrics, speed, memory, outputs."""
+    initial, final = summary.get("initial_metrics") or {}, summary.get("final_metrics") or {}
+    keys = [k for k in ("val/loss", "val/ppl", "val/token_acc", "val/accuracy", "val/exact_match") if k in final]
+    width = max([len(k) for k in keys] + [len("peak memory")])
+    lines = [f"{'metric':<{width}}  {'before':>10}  {'after':>10}"]
+    for key in keys:
+        before = f"{initial[key]:.4f}" if key in initial else "-"
+        lines.append(f"{key:<{width}}  {before:>10}  {final[key]:>10.4f}")
+    lines += [
+        f"{'steps':<{width}}  {summary.get('steps')} ({summary.get('steps_per_second') or 0:.3f} steps/s of training)",
+        f"{'peak memory':<{width}}  {summary.get('peak_rss_mb', 0):.0f} MiB (whole process)",
+        f"{'adapter':<{width}}  {summary.get('adapter_dir')}",
+        f"{'logs':<{width}}  {summary.get('log_dir')}  (tensorboard --logdir {summary.get('log_dir')})",
+    ]
+    if loss_curve is not None:
+        lines.append(f"{'loss curve':<{width}}  {loss_curve}")
+    return "\n".join(lines)

@@ -1,10 +1,16 @@
-"""The fine-tuning run behind ``lcsb-finetune``: instantiate the composed config, train, write the outputs."""
+"""The fine-tuning run behind ``lcsb-finetune``: build what the composed config names, train, write the outputs.
+
+:func:`prepare` builds the task, the model and the ``CausalLMModule`` (checking every input before
+the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logger and plugins, and
+:func:`run_finetune` runs them and writes the run folder.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,17 +19,101 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb, save_adapter
-from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer
 from lcsb_lightning.recipes.batching import collate
+from lcsb_lightning.recipes.module import CausalLMModule
+from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb, save_adapter, write_loss_curve
+from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
+from lcsb_lightning.recipes.tasks import Task, TaskData
 
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "summary.json"
 ADAPTER_NAME = "adapter"
+LOSS_CURVE_NAME = "loss_curve.png"
+
+
+def build(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that re-raises a configuration error (missing file, column, label,
+    bad value) as itself rather than wrapped, so the message the user sees is the one that explains it."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (FileNotFoundError, KeyError, ValueError, TypeError, ImportError, ConnectionError)):
+            raise cause from None
+        raise
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` built."""
+
+    task: Task
+    bundle: Any  # recipes.models.ModelBundle
+    data: TaskData
+    module: CausalLMModule
+
+
+def prepare(cfg: DictConfig) -> Prepared:
+    """Build the task (its files, columns and labels checked first), the model (the sequence length
+    checked against its context), the tokenized data and the ``CausalLMModule`` with its LoRA."""
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    if int(cfg.seq_len) < 2:
+        raise ValueError(f"seq_len must be at least 2, got {cfg.seq_len}")
+    task = build(cfg.task, _convert_="all")
+    bundle = build(cfg.model)
+    if int(cfg.seq_len) > bundle.max_positions:
+        raise ValueError(
+            f"seq_len={cfg.seq_len} is above the context length of {bundle.name} "
+            f"(max_position_embeddings={bundle.max_positions}); use seq_len<={bundle.max_positions}"
+        )
+    data = task.build(bundle.tokenizer, int(cfg.seq_len))
+    log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
+    lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
+    module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
+    return Prepared(task, bundle, data, module)
+
+
+def make_loaders(data: TaskData, cfg: DictConfig, pad_id: int) -> tuple[DataLoader, DataLoader]:
+    """Training (seeded shuffle) and evaluation data loaders."""
+    fn = partial(collate, pad_id=pad_id)
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+    train = DataLoader(data.train, batch_size=int(cfg.batch_size), shuffle=True, collate_fn=fn, generator=gen)
+    evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
+    return train, evals
+
+
+def _batch_size(batch: Any) -> int:
+    return int(batch["input_ids"].shape[0])
+
+
+def _tokens(batch: Any) -> int:
+    return int(batch["attention_mask"].sum())
+
+
+def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
+    """The Trainer of the run: LCSB (the ``policy`` group), a step timer, throughput logging, the
+    ``extra_callbacks``, the progress bar, the logger and the QuantizedMeBP plugin (``mebp`` group).
+
+    Returns:
+        ``(trainer, lcsb_callback_or_None)``.
+    """
+    policy = build(cfg.policy) if cfg.get("policy") and "_target_" in cfg.policy else None
+    callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
+    callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(LCSBProgressBar())
+    logger = build(cfg.logger, save_dir=str(output_dir))
+    plugins = [build(cfg.mebp)] if cfg.get("mebp") is not None and "_target_" in cfg.mebp else []
+    extra: dict[str, Any] = {"precision": None} if plugins else {}  # the MeBP plugin sets the precision
+    trainer: L.Trainer = build(
+        cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(output_dir), **extra
+    )
+    return trainer, policy
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -48,41 +138,12 @@ def _hydra_choices() -> dict[str, Any]:
     return {}
 
 
-def build(node: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` that re-raises a configuration error (missing file, column, label,
-    bad value) as itself rather than wrapped, so the message the user sees is the one that explains it."""
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, (FileNotFoundError, KeyError, ValueError, TypeError, ImportError)):
-            raise cause from None
-        raise
-
-
-def build_plugins(cfg: DictConfig) -> list[Any]:
-    """Instantiate the ``mebp`` group (``none`` gives no plugin)."""
-    if cfg.get("mebp") is None or "_target_" not in cfg.mebp:
-        return []
-    return [build(cfg.mebp)]
-
-
-def make_loaders(data: Any, cfg: DictConfig, pad_id: int) -> tuple[DataLoader, DataLoader]:
-    """Training (seeded shuffle) and evaluation data loaders."""
-    fn = partial(collate, pad_id=pad_id)
-    gen = torch.Generator().manual_seed(int(cfg.seed))
-    train = DataLoader(data.train, batch_size=int(cfg.batch_size), shuffle=True, collate_fn=fn, generator=gen)
-    evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
-    return train, evals
-
-
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Fine-tune as configured and write TensorBoard logs, the adapter and ``summary.json`` into ``output_dir``.
+    """Fine-tune as configured and write TensorBoard logs, the adapter, ``summary.json`` and a loss-curve
+    PNG into ``output_dir``.
 
-    Order: the task is constructed first (its files, columns and labels are checked before any
-    model is loaded), then the model (the sequence length is checked against its context), then
-    training. The adapter and the summary are written last, each through a temporary path and a
-    rename, so a failed run leaves neither behind.
+    Every input is checked before the model is loaded (see :func:`prepare`). The adapter and the
+    summary are written last, each through a temporary path and a rename, by the global-zero process.
 
     Args:
         cfg: The composed config (``conf/config.yaml``).
@@ -90,42 +151,14 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         extra_callbacks: More Lightning callbacks for the Trainer (the benchmark's recorder).
 
     Returns:
-        The summary that was written.
+        The summary.
     """
     start = time.perf_counter()
     out = Path(output_dir)
-    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    if int(cfg.seq_len) < 2:
-        raise ValueError(f"seq_len must be at least 2, got {cfg.seq_len}")
-
-    task = build(cfg.task, _convert_="all")
-    bundle = build(cfg.model)
-    if int(cfg.seq_len) > bundle.max_positions:
-        raise ValueError(
-            f"seq_len={cfg.seq_len} is above the context length of {bundle.name} "
-            f"(max_position_embeddings={bundle.max_positions}); use seq_len<={bundle.max_positions}"
-        )
-    data = task.build(bundle.tokenizer, int(cfg.seq_len))
-    log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
-    train_loader, eval_loader = make_loaders(data, cfg, bundle.tokenizer.pad_token_id)
-
-    lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
-    module = build(cfg.module, _convert_="all")(
-        model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora
-    )
-    policy = build(cfg.policy) if cfg.get("policy") and "_target_" in cfg.policy else None
-    callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
-    timer = StepTimer()
-    callbacks.append(timer)
-    callbacks.extend(extra_callbacks)
-    if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(LCSBProgressBar())
-    logger = build(cfg.logger, save_dir=str(out))
-    plugins = build_plugins(cfg)
-    extra: dict[str, Any] = {"precision": None} if plugins else {}  # the MeBP plugin sets the precision
-    trainer: L.Trainer = build(
-        cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(out), **extra
-    )
+    prepared = prepare(cfg)
+    train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer.pad_token_id)
+    trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
+    module = prepared.module
 
     initial: dict[str, float] = {}
     if cfg.get("eval_before_training", True):
@@ -135,42 +168,36 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     fit_seconds = time.perf_counter() - fit_start
     final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
 
-    adapter_dir = save_adapter(module.model, out / ADAPTER_NAME)
-    trainable = sum(p.numel() for n, p in module.model.named_parameters() if "lora_" in n)
+    timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
     steps = int(trainer.global_step)
     train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
-        "model": bundle.name,
-        "task": type(task).__name__,
-        "task_kind": task.kind,
-        "policy": getattr(policy, "policy", None).__class__.__name__ if policy is not None else None,
+        "model": prepared.bundle.name,
+        "task": type(prepared.task).__name__,
+        "task_kind": prepared.task.kind,
+        "policy": type(lcsb.policy).__name__ if lcsb is not None else None,
         "initial_metrics": initial,
         "final_metrics": final,
         "steps": steps,
-        "train_examples": len(data.train),
-        "eval_examples": len(data.eval),
-        "skipped_examples": data.skipped,
+        "train_examples": len(prepared.data.train),
+        "eval_examples": len(prepared.data.eval),
+        "skipped_examples": prepared.data.skipped,
         "fit_seconds": round(fit_seconds, 3),
         "train_step_seconds": round(train_seconds, 3),
         "steps_per_second": round(steps / train_seconds, 4) if train_seconds > 0 else None,
         "wall_seconds": round(time.perf_counter() - start, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        "lora_parameters": trainable,
-        "num_blocks": len(getattr(policy, "selection_counts", []) or []),
-        "block_selection_counts": list(getattr(policy, "selection_counts", []) or []),
-        "adapter_dir": str(adapter_dir),
-        "log_dir": str(getattr(logger, "log_dir", out)),
+        "lora_parameters": sum(p.numel() for n, p in module.model.named_parameters() if "lora_" in n),
+        "num_blocks": len(lcsb.selection_counts) if lcsb is not None else 0,
+        "block_selection_counts": list(lcsb.selection_counts) if lcsb is not None else [],
+        "adapter_dir": str(out / ADAPTER_NAME),
+        "log_dir": str(getattr(trainer.logger, "log_dir", out)),
         **_hydra_choices(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    atomic_write_json(out / SUMMARY_NAME, summary)
-    log.info(
-        "eval loss %s -> %s in %d steps (%.2f steps/s), peak RSS %.0f MiB; outputs in %s",
-        initial.get("val/loss"),
-        final.get("val/loss"),
-        steps,
-        summary["steps_per_second"] or 0.0,
-        summary["peak_rss_mb"],
-        out,
-    )
+    if trainer.is_global_zero:
+        save_adapter(module.model, out / ADAPTER_NAME)
+        atomic_write_json(out / SUMMARY_NAME, summary)
+        curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
+        log.info("\n%s", final_table(summary, curve))
     return summary

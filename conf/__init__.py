@@ -1,0 +1,5 @@
+"""The Hydra configs of lcsb-finetune and lcsb-benchmark.
+
+This folder is installed as the package ``lcsb_lightning.conf`` (see pyproject.toml), so that
+Hydra finds the configs (``pkg://lcsb_lightning.conf``) from any install, editable or not.
+"""

@@ -1,0 +1,175 @@
+"""Step time inside the recipe's own training loop, per phase, the arms alternating in one process.
+
+For each task the model, data and ``CausalLMModule`` are built once; then, round after round, every
+arm fine-tunes ``steps_per_round`` optimizer steps through a fresh ``Trainer`` configured exactly as
+``lcsb-finetune`` configures it (its callbacks, logger, gradient clipping, logging interval), so a
+drift of the machine hits all arms alike. Every arm sees the same batches in the same order (their
+lengths vary on GSM8K and SST-2). The first step of each round is a warm-up and not counted.
+
+:class:`PhaseTimer` splits every step into the phases Lightning's hooks delimit, and times the LM
+head's forward and backward with module hooks:
+
+================ =====================================================================
+``forward``      ``training_step``: the model, the loss, ``self.log`` calls
+``zero_grad``    ``optimizer.zero_grad()`` (Lightning runs it between forward and backward)
+``backward``     ``loss.backward()``
+``before_step``  ``on_before_optimizer_step`` callbacks: LCSB's zero gradients and norms
+``clip``         gradient clipping
+``optimizer``    ``optimizer.step()`` and the end of the batch's bookkeeping
+``between``      from one step's end to the next one's start: logging, LR scheduler, data
+================ =====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+PHASES = ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between")
+
+
+class PhaseTimer(Callback):
+    """Wall time of each phase of every training step (place it after every other callback)."""
+
+    def __init__(self, lm_head: torch.nn.Module | None = None) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._marks: dict[str, float] = {}
+        self._last_end: float | None = None
+        self._lm_head_ms = {"forward": 0.0, "backward": 0.0}
+        self._head_t0 = 0.0
+        self._handles: list[Any] = []
+        if lm_head is not None:
+            self._handles = [
+                lm_head.register_forward_pre_hook(lambda *_: self._head_start()),
+                lm_head.register_forward_hook(lambda *_: self._head_stop("forward")),
+                lm_head.register_full_backward_pre_hook(lambda *_: self._head_start()),
+                lm_head.register_full_backward_hook(lambda *_: self._head_stop("backward")),
+            ]
+
+    def _head_start(self) -> None:
+        self._head_t0 = time.perf_counter()
+
+    def _head_stop(self, phase: str) -> None:
+        self._lm_head_ms[phase] += (time.perf_counter() - self._head_t0) * 1e3
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def wrap_clipping(self, trainer: Trainer) -> None:
+        """Time ``clip_gradients`` of the precision plugin (an instance attribute, removed by :meth:`unwrap_clipping`)."""
+        plugin = trainer.precision_plugin
+        clip = plugin.clip_gradients
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return clip(*args, **kwargs)
+            finally:
+                self._marks["clip_s"] = self._marks.get("clip_s", 0.0) + time.perf_counter() - start
+
+        plugin.clip_gradients = timed  # type: ignore[method-assign]
+
+    @staticmethod
+    def unwrap_clipping(trainer: Trainer) -> None:
+        vars(trainer.precision_plugin).pop("clip_gradients", None)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        between = now - self._last_end if self._last_end is not None else None
+        self._marks = {"start": now, "between": between} if between is not None else {"start": now}
+        self._lm_head_ms = {"forward": 0.0, "backward": 0.0}
+
+    def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._marks["forward_end"] = time.perf_counter()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._marks["zero_grad_end"] = time.perf_counter()
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._marks["backward_end"] = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._marks["before_step_end"] = time.perf_counter()  # after the callbacks listed before this one
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        end = time.perf_counter()
+        m = self._marks
+        if not {"forward_end", "zero_grad_end", "backward_end", "before_step_end"} <= m.keys():
+            return
+        clip = m.get("clip_s", 0.0)
+        row = {
+            "forward": m["forward_end"] - m["start"],
+            "zero_grad": m["zero_grad_end"] - m["forward_end"],
+            "backward": m["backward_end"] - m["zero_grad_end"],
+            "before_step": m["before_step_end"] - m["backward_end"],
+            "clip": clip,
+            "optimizer": end - m["before_step_end"] - clip,
+            "lm_head_forward": self._lm_head_ms["forward"] / 1e3,
+            "lm_head_backward": self._lm_head_ms["backward"] / 1e3,
+        }
+        if "between" in m:
+            row["between"] = m["between"]
+        row["total"] = sum(row[p] for p in PHASES if p in row)
+        self.steps.append(row)
+        self._last_end = end
+
+
+def summarize(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Median of each phase over the timed steps (``total`` included)."""
+    keys = sorted({k for s in steps for k in s})
+    return {k: statistics.median([s[k] for s in steps if k in s]) for k in keys}
+
+
+def time_task(
+    task: str, arms: Mapping[str, Sequence[str]], common: Sequence[str], compose: Any, rounds: int, steps_per_round: int,
+    out_dir: Any,
+) -> dict[str, Any]:
+    """Alternate the arms of one task round by round; return each arm's phase medians and raw steps.
+
+    Args:
+        task: The task option (``task=<task>``).
+        arms: Arm name -> overrides (its ``policy`` and mode).
+        common: Overrides of every arm (model, data, sequence length, ...).
+        compose: Composes the fine-tuning config from overrides.
+        rounds: Rounds over all arms.
+        steps_per_round: Optimizer steps per arm and round (the first is a warm-up).
+        out_dir: Folder for the arms' TensorBoard logs.
+    """
+    from lcsb_lightning.recipes.train import build_trainer, make_loaders, prepare
+
+    base_cfg: DictConfig = compose([*common, f"task={task}"])
+    prepared = prepare(base_cfg)
+    train_loader, _ = make_loaders(prepared.data, base_cfg, prepared.bundle.tokenizer.pad_token_id)
+    raw: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+    load_before = list(os.getloadavg())
+    for round_index in range(rounds):
+        for name, overrides in arms.items():
+            cfg = compose([*common, f"task={task}", *overrides, f"trainer.max_steps={steps_per_round}",
+                           "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=null",
+                           "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0"])
+            train_loader.generator.manual_seed(int(base_cfg.seed))  # every arm sees the same batches in the same order
+            timer = PhaseTimer(prepared.module.model.get_base_model().get_output_embeddings())
+            trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
+            timer.wrap_clipping(trainer)
+            try:
+                trainer.fit(prepared.module, train_loader)
+            finally:
+                timer.remove_hooks()
+                timer.unwrap_clipping(trainer)
+            raw[name].extend(timer.steps[1:])
+            log.info("recipe speed %s round %d/%d %s: %.3f s/step", task, round_index + 1, rounds, name,
+                     statistics.median([s["total"] for s in timer.steps[1:]] or [float("nan")]))
+    medians = {name: summarize(steps) for name, steps in raw.items()}
+    return {"task": task, "arms": medians, "raw": raw, "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()), "threads": torch.get_num_threads()}

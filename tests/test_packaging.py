@@ -1,0 +1,79 @@
+"""What a user installs: the core import stays light, the configs travel with the package, the recipes run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Optional dependencies that ``import lcsb_lightning`` must not pull in (Lightning itself may import others).
+HEAVY = ("hydra", "omegaconf", "tensorboard", "matplotlib", "gguf", "datasets", "bitsandbytes", "peft", "safetensors")
+
+
+def test_core_import_loads_no_optional_dependency() -> None:
+    code = (
+        "import sys, json\n"
+        "import lightning.pytorch\n"
+        "before = set(sys.modules)\n"
+        "from lcsb_lightning import LCSBCallback, LCSBController, QuantizedMeBP, apply_mebp\n"
+        f"heavy = {HEAVY!r}\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before} & set(heavy))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_packaged_configs_are_the_repository_configs() -> None:
+    import lcsb_lightning.conf as conf
+
+    assert Path(conf.__file__).resolve().parent == (ROOT / "conf").resolve()  # editable install: the same files
+
+
+@pytest.mark.parametrize(("script", "args"), [("hand_written_loop.py", ["--steps", "4"]),
+                                              ("lightning_module.py", ["--steps", "3", "--tiny"])])
+def test_user_recipes_run(script: str, args: list[str]) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_phone_budget_recipe_composes_from_the_recipes_folder(tmp_path: Path) -> None:
+    import shutil
+
+    script = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+    done = subprocess.run([script, "--config-dir", str(ROOT / "recipes"), "--config-name", "phone_budget", "--cfg", "job"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fmt: int4" in done.stdout and "DyadicPolicy" in done.stdout and "chunked_loss: true" in done.stdout
+
+
+def test_every_recipe_file_opens_with_its_launch_command() -> None:
+    for path in sorted((ROOT / "recipes").iterdir()):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith(("# python recipes/", "# lcsb-finetune")), path
+
+
+def test_lcsb_finetune_output_is_quiet_and_ends_with_its_table(tmp_path: Path) -> None:
+    import shutil
+
+    script = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [script, "model=tiny", "task=pydoc", "trainer.max_steps=2", "trainer.val_check_interval=2", "seq_len=32",
+         "task.max_eval_examples=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "💡 Tip" not in output and "flops_per_batch" not in output
+    lcsb_lines = [line for line in output.splitlines() if "LCSB: " in line and "over 4 blocks" in line]
+    assert len(lcsb_lines) == 1, lcsb_lines  # one line per message, not Lightning's and Hydra's both
+    for row in ("val/loss", "peak memory", "adapter", "loss curve"):
+        assert row in output
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000 and (run_dir / "finetune.log").is_file()
