@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LCSBCallback": "lcsb_lightning.callback",
     "LCSBController": "lcsb_lightning.controller",
+    "DivergenceGuard": "lcsb_lightning.guard",
     "SelectionPolicy": "lcsb_lightning.policies",
     "build_policy": "lcsb_lightning.policies",
     "QuantizedMeBP": "lcsb_lightning.mebp",

@@ -166,6 +166,6 @@ def test_column_and_label_errors_show_what_was_seen(tmp_path: Path) -> None:
 
 def test_seq_len_above_context_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"seq_len=1024 is above the context length.*512"):
+    with pytest.raises(ValueError, match=r"seq_len=1024 is above the model's context of 512: allowed: 2..512"):
         run_finetune(compose_cfg([*FAST, "task=pydoc", "seq_len=1024"]), out)
     _assert_nothing_written(out)

@@ -11,6 +11,7 @@ on ``teardown``, at interpreter exit and when the object is collected.
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import os
 import shutil
@@ -36,8 +37,14 @@ class _OnDisk:
         flat = tensor.detach().reshape(-1)
         if flat.device.type != "cpu":
             flat = flat.cpu()
-        with open(path, "wb") as handle:
-            flat.contiguous().view(torch.uint8).numpy().tofile(handle)
+        try:
+            with open(path, "wb") as handle:
+                flat.contiguous().view(torch.uint8).numpy().tofile(handle)
+        except OSError as exc:
+            _unlink(path)
+            reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            raise OSError(exc.errno, f"QuantizedMeBP could not write the offload file {path} ({self.nbytes} bytes): "
+                                     f"{reason}; free space there or set offload_dir= to a larger disk") from exc
         weakref.finalize(self, _unlink, path)
 
     def load(self) -> torch.Tensor:

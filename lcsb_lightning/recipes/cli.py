@@ -8,6 +8,7 @@ wheel). Add your own config folder with Hydra's ``--config-dir`` (``-cd``); see 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -40,14 +41,43 @@ def quiet_lightning_logging() -> None:
         logging.getLogger(name).addFilter(tips)
 
 
+def resumed_config(resume: str, overrides: list[str]) -> tuple[DictConfig, Path]:
+    """The config and folder of the run that ``resume=`` names: the config the run saved when it started.
+
+    Raises:
+        ValueError: other overrides were given (a resumed run continues with its own settings).
+        FileNotFoundError: no checkpoint, or no config beside it.
+    """
+    from omegaconf import OmegaConf
+
+    from lcsb_lightning.recipes.checkpointing import CHECKPOINT_DIR, resolve_checkpoint
+    from lcsb_lightning.recipes.train import RUN_CONFIG_NAME
+
+    others = [o for o in overrides if not o.startswith(("resume=", "hydra."))]
+    if others:
+        raise ValueError(f"resume= continues a run with its own config; drop the other overrides {others}")
+    checkpoint = resolve_checkpoint(resume)
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINT_DIR else checkpoint.parent
+    saved = run_dir / RUN_CONFIG_NAME
+    if not saved.is_file():
+        raise FileNotFoundError(f"resume={resume!r}: the run's config {saved} is missing")
+    cfg = OmegaConf.load(saved)
+    cfg.resume = str(checkpoint)
+    return cfg, run_dir
+
+
 def hydra_task(cfg: DictConfig) -> float | None:
-    """Run one fine-tuning job in Hydra's output directory; returns its final eval loss (for sweepers)."""
+    """Run one fine-tuning job in Hydra's output directory (with ``resume=``: in the resumed run's
+    folder, with its own config); returns its final eval loss (for sweepers)."""
     from hydra.core.hydra_config import HydraConfig
 
     from lcsb_lightning.recipes.train import run_finetune
 
     quiet_lightning_logging()
-    summary = run_finetune(cfg, HydraConfig.get().runtime.output_dir)
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.get("resume"):
+        cfg, output_dir = resumed_config(cfg.resume, list(HydraConfig.get().overrides.task))
+    summary = run_finetune(cfg, output_dir)
     return summary["final_metrics"].get("val/loss")
 
 

@@ -41,15 +41,29 @@ def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str
 
 
 def read_text(path: Path, max_chars: int | None = None) -> str:
-    """Read a UTF-8 text file, optionally only its first ``max_chars`` characters."""
-    with path.open(encoding="utf-8") as fh:
-        return fh.read(max_chars) if max_chars else fh.read()
+    """Read a UTF-8 text file, optionally only its first ``max_chars`` characters.
+
+    Raises:
+        ValueError: the file is empty, or not UTF-8 (the message names the byte offset).
+    """
+    try:
+        with path.open(encoding="utf-8") as fh:
+            text = fh.read(max_chars) if max_chars else fh.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it, e.g. iconv -t utf-8") from exc
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return text
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a JSON-lines file, naming the line of a syntax error."""
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    """Yield the JSON objects of a JSON-lines file, naming the line of a syntax error or of bad UTF-8."""
+    with path.open(encoding="utf-8", errors="strict") as fh:
+        try:
+            lines = list(fh)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -97,11 +111,13 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
         return columns, rows
     delimiter = "\t" if kind == "tsv" else ","
     quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
-    with path.open(encoding="utf-8", newline="") as fh:
-        reader = csv.reader(fh, delimiter=delimiter, quoting=quoting)
-        lines = [line for line in reader if line]
-    if not lines:
-        return [], []
+    try:
+        with path.open(encoding="utf-8", newline="") as fh:
+            lines = [line for line in csv.reader(fh, delimiter=delimiter, quoting=quoting) if line]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    if len(lines) <= int(header):
+        raise ValueError(f"{path} holds no rows")
     if header:
         columns, body = [c.strip() for c in lines[0]], lines[1:]
     else:

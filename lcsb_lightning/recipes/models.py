@@ -53,8 +53,17 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
-    """Give the tokenizer a pad token (the EOS token) when it has none."""
+    """Give the tokenizer a pad token (the EOS token) when it has none.
+
+    Raises:
+        ValueError: it has neither a pad nor an EOS token (sequences could be neither ended nor padded).
+    """
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}) has neither a pad nor an EOS token; set one, e.g. "
+                "model.tokenizer=<a tokenizer that has them>, or add them to the tokenizer's special tokens"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

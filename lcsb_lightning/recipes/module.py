@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,28 @@ from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, 
 
 #: transformers' schedule names this module takes (``get_scheduler``); ``*_min_lr`` ones use ``min_lr_ratio``.
 SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant_with_warmup", "constant")
+
+
+def check_adapter(path: str) -> None:
+    """Raise a ``ValueError`` naming the file when ``path`` is not a complete, readable peft adapter folder."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for required in (config, weights):
+        if not required.is_file():
+            raise FileNotFoundError(f"init_adapter={path!r}: {required} is missing (expected a peft adapter folder)")
+    try:
+        json.loads(config.read_text())
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as handle:
+            for key in handle.keys():
+                handle.get_tensor(key)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise ValueError(f"init_adapter={path!r}: {type(exc).__name__} reading it ({exc}); the adapter is truncated "
+                         "or corrupted") from exc
 
 
 class CausalLMModule(LightningModule):
@@ -41,6 +64,7 @@ class CausalLMModule(LightningModule):
         chunked_loss: Compute the training loss with ``lcsb_lightning.mebp.chunked_lm_loss`` so that
             full-vocabulary logits of the whole sequence never exist at once.
         chunk_size: Sequence chunk of the chunked loss.
+        init_adapter: A peft adapter folder to continue training from (instead of a fresh ``lora``).
     """
 
     #: Read by Lightning's ``ThroughputMonitor`` (not computed here: it logs batches, samples and tokens per second).
@@ -60,6 +84,7 @@ class CausalLMModule(LightningModule):
         min_lr_ratio: float = 0.0,
         chunked_loss: bool = False,
         chunk_size: int = 64,
+        init_adapter: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["model", "tokenizer", "task", "lora"])
@@ -70,13 +95,21 @@ class CausalLMModule(LightningModule):
                 f"module: lr must be > 0 (got {lr}), weight_decay >= 0 ({weight_decay}), warmup_steps >= 0 "
                 f"({warmup_steps}) and min_lr_ratio in [0, 1] ({min_lr_ratio})"
             )
-        if lora is not None:
+        if init_adapter is not None:
+            from peft import PeftModel
+
+            check_adapter(init_adapter)
+            model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
+        elif lora is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, lora)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameter; configure lora:")
         self.model = model.train()  # from_pretrained returns eval mode; Lightning restores modes per loop
+        # Checkpoints hold the trainable parameters only (see on_save_checkpoint): the frozen base weights
+        # come from the model source, compressed or not, so loading is not strict about them.
+        self.strict_loading = False
         self.tokenizer, self.task = tokenizer, task
         self.kind = task.kind
         self.val_lm = LanguageModelMetrics()
@@ -182,6 +215,29 @@ class CausalLMModule(LightningModule):
             eos_token_id=self.tokenizer.eos_token_id,
         )
         return self.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _trainable_keys(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the trainable (LoRA) tensors only, and the RNG states: a LoRA-sized, resumable checkpoint."""
+        keys = self._trainable_keys()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
+        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint that lacks a trainable tensor of this model (a different LoRA configuration)."""
+        missing = sorted(self._trainable_keys() - set(checkpoint.get("state_dict", {})))
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} trainable tensors of this model (e.g. {', '.join(missing[:3])}): "
+                "it was written with another model or LoRA configuration"
+            )
+        states = checkpoint.get("rng_states")
+        if states:
+            torch.set_rng_state(states["torch"])
+            random.setstate(states["python"])
 
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:

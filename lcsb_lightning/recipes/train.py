@@ -7,6 +7,7 @@ the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logg
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -19,19 +20,27 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.recipes.batching import collate
+from lcsb_lightning.recipes.checkpointing import (
+    CHECKPOINT_DIR, LAST, AtomicCheckpointIO, ResumableLoader, check_checkpoint, resolve_checkpoint,
+)
 from lcsb_lightning.recipes.module import CausalLMModule
-from lcsb_lightning.recipes.outputs import atomic_write_json, peak_rss_mb, save_adapter, write_loss_curve
+from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, peak_rss_mb, save_adapter, write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
+from lcsb_lightning.recipes.validation import validate_config
 
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "summary.json"
+INITIAL_NAME = "initial_metrics.json"
+#: The resolved config a run saves when it starts: what ``resume=`` continues with.
+RUN_CONFIG_NAME = "run_config.yaml"
 ADAPTER_NAME = "adapter"
 LOSS_CURVE_NAME = "loss_curve.png"
 
@@ -78,11 +87,10 @@ def prepare(cfg: DictConfig) -> Prepared:
     return Prepared(task, bundle, data, module)
 
 
-def make_loaders(data: TaskData, cfg: DictConfig, pad_id: int) -> tuple[DataLoader, DataLoader]:
-    """Training (seeded shuffle) and evaluation data loaders."""
+def make_loaders(data: TaskData, cfg: DictConfig, pad_id: int) -> tuple[ResumableLoader, DataLoader]:
+    """Training (a seeded permutation per epoch, resumable mid-epoch) and evaluation data loaders."""
     fn = partial(collate, pad_id=pad_id)
-    gen = torch.Generator().manual_seed(int(cfg.seed))
-    train = DataLoader(data.train, batch_size=int(cfg.batch_size), shuffle=True, collate_fn=fn, generator=gen)
+    train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), seed=int(cfg.seed), collate_fn=fn)
     evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
     return train, evals
 
@@ -95,21 +103,38 @@ def _tokens(batch: Any) -> int:
     return int(batch["attention_mask"].sum())
 
 
+def _node(cfg: DictConfig, key: str) -> Any:
+    """The instantiated config group ``key``, or None where the option has no ``_target_`` (``none``)."""
+    node = cfg.get(key)
+    return build(node) if node is not None and "_target_" in node else None
+
+
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
     """The Trainer of the run: LCSB (the ``policy`` group), a step timer, throughput logging, the
-    ``extra_callbacks``, the progress bar, the logger and the QuantizedMeBP plugin (``mebp`` group).
+    ``extra_callbacks``, resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
+    (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
+    checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
 
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
     """
-    policy = build(cfg.policy) if cfg.get("policy") and "_target_" in cfg.policy else None
+    policy = _node(cfg, "policy")
     callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
+                                         save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
+    guard = _node(cfg, "guard")
+    if guard is not None:
+        callbacks.append(guard)
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
-    plugins = [build(cfg.mebp)] if cfg.get("mebp") is not None and "_target_" in cfg.mebp else []
-    extra: dict[str, Any] = {"precision": None} if plugins else {}  # the MeBP plugin sets the precision
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    mebp = _node(cfg, "mebp")
+    if mebp is not None:
+        plugins.append(mebp)
+    extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin sets the precision
     trainer: L.Trainer = build(
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(output_dir), **extra
     )
@@ -139,36 +164,54 @@ def _hydra_choices() -> dict[str, Any]:
 
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Fine-tune as configured and write TensorBoard logs, the adapter, ``summary.json`` and a loss-curve
-    PNG into ``output_dir``.
+    """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, ``summary.json`` and a
+    loss-curve PNG into ``output_dir``.
 
-    Every input is checked before the model is loaded (see :func:`prepare`). The adapter and the
-    summary are written last, each through a temporary path and a rename, by the global-zero process.
+    The config is validated first, then (with ``resume``) the checkpoint is read, then every input is
+    checked before the model is loaded (see :func:`prepare`). A resumable checkpoint goes to
+    ``checkpoints/last.ckpt`` every ``checkpoint_every`` steps and at the end; the adapter and the
+    summary are written last. Every file is replaced only by a complete new one, by the global-zero
+    process.
 
     Args:
-        cfg: The composed config (``conf/config.yaml``).
-        output_dir: The run directory (Hydra's output directory).
+        cfg: The composed config (``conf/config.yaml``); with ``resume`` set, the run's own config.
+        output_dir: The run directory (with ``resume``: the resumed run's folder).
         extra_callbacks: More Lightning callbacks for the Trainer (the benchmark's recorder).
 
     Returns:
         The summary.
     """
     start = time.perf_counter()
+    validate_config(cfg)
     out = Path(output_dir)
+    checkpoint = resolve_checkpoint(cfg.resume) if cfg.get("resume") else None
+    if checkpoint is not None:
+        check_checkpoint(checkpoint)
     prepared = prepare(cfg)
     train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer.pad_token_id)
     trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
+    train_loader.bind(trainer)
     module = prepared.module
 
     initial: dict[str, float] = {}
-    if cfg.get("eval_before_training", True):
-        initial = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
+    if checkpoint is not None and (out / INITIAL_NAME).is_file():
+        initial = json.loads((out / INITIAL_NAME).read_text())
+    else:
+        if trainer.is_global_zero:
+            atomic_write_text(out / RUN_CONFIG_NAME, OmegaConf.to_yaml(cfg, resolve=True))
+        if cfg.get("eval_before_training", True):
+            initial = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
+            if trainer.is_global_zero:
+                atomic_write_json(out / INITIAL_NAME, initial)
     fit_start = time.perf_counter()
-    trainer.fit(module, train_loader, eval_loader)
+    trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
     fit_seconds = time.perf_counter() - fit_start
+    if cfg.trainer.get("enable_checkpointing", True):
+        trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST)  # the end state, whatever the interval
     final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
 
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
+    guard = next((cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard)), None)
     steps = int(trainer.global_step)
     train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
@@ -179,6 +222,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         "initial_metrics": initial,
         "final_metrics": final,
         "steps": steps,
+        "resumed_from": str(checkpoint) if checkpoint is not None else None,
+        "divergence_events": list(guard.events) if guard is not None else [],
         "train_examples": len(prepared.data.train),
         "eval_examples": len(prepared.data.eval),
         "skipped_examples": prepared.data.skipped,

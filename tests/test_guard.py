@@ -1,0 +1,129 @@
+"""DivergenceGuard: each action on an injected NaN and an injected loss spike; nothing non-finite is saved."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from _recipes_utils import FAST, compose_cfg, one_thread  # noqa: F401
+from lcsb_lightning import DivergenceGuard, LCSBCallback
+from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
+
+BAD_STEP = 12
+
+
+class Faulty(TokenLM):
+    """A training step whose loss is NaN, or 100 times too large, at optimizer step ``BAD_STEP``."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__(tiny_llama_peft(num_layers=4), lr=5e-3)
+        self.fault = fault
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == BAD_STEP:
+            return loss * math.nan if self.fault == "nan" else loss * 100.0
+        return loss
+
+
+class Snapshots(Callback):
+    """The LoRA parameters and the learning rate after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.params.append(torch.cat([p.detach().flatten() for n, p in pl_module.named_parameters() if "lora_" in n]).clone())
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _fit(fault: str, action: str) -> tuple[Faulty, DivergenceGuard, Snapshots, Trainer]:
+    torch.manual_seed(0)
+    module = Faulty(fault)
+    guard = DivergenceGuard(action=action, spike_factor=4.0, window=10, warmup=5, snapshot_every=4)
+    snapshots = Snapshots()
+    trainer = quiet_trainer(max_steps=20, callbacks=[LCSBCallback("cyclic", layers_per_step=2, log_every_n_steps=0),
+                                                     guard, snapshots])
+    with pytest.warns(UserWarning, match=f"DivergenceGuard: step {BAD_STEP}"):
+        trainer.fit(module, token_batches(num_batches=20, seq=12, vocab=64))
+    return module, guard, snapshots, trainer
+
+
+@pytest.mark.parametrize("fault", ["nan", "spike"])
+@pytest.mark.parametrize("action", ["skip", "rollback", "stop"])
+def test_guard_actions(fault: str, action: str) -> None:
+    module, guard, snapshots, trainer = _fit(fault, action)
+    reason = "non-finite loss" if fault == "nan" else "loss spike"
+    assert len(guard.events) == 1 and guard.events[0]["step"] == BAD_STEP and reason in guard.events[0]["reason"]
+    assert all(torch.isfinite(p).all() for p in snapshots.params)
+    before, after = snapshots.params[BAD_STEP - 1], snapshots.params[BAD_STEP]
+    if action == "skip":
+        assert torch.equal(before, after)  # no update at all at the bad step (momentum and weight decay included)
+        assert trainer.global_step == 20 and snapshots.lrs[-1] == snapshots.lrs[0]
+    elif action == "rollback":
+        restored = guard.events[0]["restored"]
+        assert restored is not None and restored <= BAD_STEP
+        assert torch.equal(after, snapshots.params[restored - 1])  # back to the snapshot taken after that good step
+        assert snapshots.lrs[BAD_STEP] == pytest.approx(snapshots.lrs[BAD_STEP - 1] * 0.5)
+    else:
+        assert torch.equal(before, after) and trainer.global_step == BAD_STEP + 1 and trainer.should_stop
+
+
+def test_guard_state_survives_a_checkpoint() -> None:
+    guard = DivergenceGuard(window=3)
+    guard.events = [{"step": 1, "reason": "x", "action": "skip", "loss": None}]
+    guard._losses.extend([1.0, 2.0, 3.0, 4.0])
+    twin = DivergenceGuard(window=3)
+    twin.load_state_dict(guard.state_dict())
+    assert twin.events == guard.events and list(twin._losses) == [2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"action": "retry"}, "`action='retry'` is not supported; allowed: skip, rollback, stop"),
+    ({"spike_factor": 1.0}, "`spike_factor` must be > 1"),
+    ({"lr_factor": 0.0}, r"`lr_factor` must be in \(0, 1\]"),
+    ({"window": 0}, "`window` must be an integer >= 1"),
+    ({"warmup": -1}, "`warmup` must be an integer >= 0"),
+])
+def test_guard_argument_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DivergenceGuard(**kwargs)
+
+
+def test_recipe_with_a_far_too_high_learning_rate_says_so_and_writes_no_nan(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from lcsb_lightning.recipes.train import run_finetune
+
+    out = tmp_path / "run"
+    summary = run_finetune(compose_cfg([*FAST, "task=pydoc", "task.max_eval_examples=2", "module.lr=1e4",
+                                        "trainer.max_steps=12", "guard=skip", "guard.warmup=2"]), out)
+    assert summary["divergence_events"], "the guard saw nothing"
+    assert json.loads((out / "summary.json").read_text())["divergence_events"] == summary["divergence_events"]
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def test_an_adapter_with_non_finite_values_is_never_written(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lcsb_lightning.recipes.outputs import save_adapter
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules="all-linear"))
+    save_adapter(model, tmp_path / "adapter")
+    first = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_A" in n).fill_(math.nan)
+    with pytest.raises(ValueError, match="refusing to save an adapter with non-finite values in 1 tensors"):
+        save_adapter(model, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == first
