@@ -27,9 +27,10 @@ SUMMARY_KEYS = (
 
 def arm_config(arm: Arm, compose: Compose, steps: int, probe_every: int = 0) -> DictConfig:
     """The arm's fine-tuning config: its overrides, ``steps`` optimizer steps, no validation of
-    Lightning's own (the recorder evaluates), no progress bar, and the probe on LCSB arms."""
+    Lightning's own (the recorder evaluates), no progress bar, no checkpoints (the benchmark resumes arm
+    by arm), and the probe on LCSB arms."""
     extra = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps + 1}",
-             "trainer.enable_progress_bar=false", "eval_before_training=true"]
+             "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "eval_before_training=true"]
     cfg = compose([*arm.overrides, *extra])
     if probe_every and cfg.get("policy") and "_target_" in cfg.policy and cfg.policy.get("policy") != "full":
         cfg.policy.probe_every = probe_every
