@@ -3,8 +3,9 @@
 For each task the model, data and ``CausalLMModule`` are built once; then, round after round, every
 arm fine-tunes ``steps_per_round`` optimizer steps through a fresh ``Trainer`` configured exactly as
 ``lcsb-finetune`` configures it (its callbacks, logger, gradient clipping, logging interval), so a
-drift of the machine hits all arms alike. Every arm sees the same batches in the same order (their
-lengths vary on GSM8K and SST-2). The first step of each round is a warm-up and not counted.
+drift of the machine hits all arms alike. Every fit starts at epoch 0 of the recipe's seeded,
+per-epoch permutation, so every arm sees the same batches in the same order (their lengths vary on
+GSM8K and SST-2). The first step of each round is a warm-up and not counted.
 
 :class:`PhaseTimer` splits every step into the phases Lightning's hooks delimit, and times the LM
 head's forward and backward with module hooks:
@@ -158,7 +159,6 @@ def time_task(
             cfg = compose([*common, f"task={task}", *overrides, f"trainer.max_steps={steps_per_round}",
                            "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=null",
                            "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0"])
-            train_loader.generator.manual_seed(int(base_cfg.seed))  # every arm sees the same batches in the same order
             timer = PhaseTimer(prepared.module.model.get_base_model().get_output_embeddings())
             trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
             timer.wrap_clipping(trainer)
