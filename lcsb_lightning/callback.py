@@ -50,16 +50,24 @@ class LCSBCallback(Callback):
     Lightning trains it (after ``configure_model``, the precision plugin's conversion and the
     strategy's wrapping), and removes itself when fit ends, fails or is interrupted.
 
+    The defaults are the configuration that won this project's study on the real SmolLM2
+    (docs/results.md): ``policy="dyadic"`` with ``backward="truncated"`` back-propagates, exactly, the top
+    N/8 blocks every step, N/4 every second step, N/2 every fourth and all of them every eighth. The
+    LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
+
     Args:
-        policy: a registered policy name (``"cyclic"``, ``"random"``, ``"grad_norm"``, ``"full"``,
-            ``"freeze"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
-        layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (not needed for ``"full"``).
+        policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``,
+            ``"full"``, ``"freeze"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
+        layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
+            cyclic, random, grad_norm, freeze).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
-        backward: ``"identity"`` (the paper's): a non-selected block runs under ``no_grad`` and its
-            output enters the graph with an identity Jacobian, so it costs no backward, no recompute
-            and no weight decompression. ``"exact"``: selected parameters get their exact full-backprop
-            gradients; the backward runs through every block above the lowest selected one and stops
-            there.
+        backward: ``"truncated"``: the backward runs exactly from the top down to the lowest selected
+            block and stops there, and every block it passes trains with its exact gradient (it costs
+            their LoRA weight gradients, rank-r matmuls, and nothing below). ``"exact"``: the same
+            backward, but only the selected blocks train. ``"identity"`` (the paper's): a non-selected
+            block runs under ``no_grad`` and its output enters the graph with an identity Jacobian, so
+            it costs no backward, no recompute and no weight decompression, but the gradients of the
+            blocks below it are approximations (poor ones on deep models: docs/results.md).
         momentum: ``"implicit"`` (the paper's): non-selected parameters keep a zero gradient, so AdamW
             momentum and weight decay keep moving them. ``"skip"``: their
             gradient stays ``None`` and the optimizer skips them (LISA). ``"reset"``: like ``"skip"``,
@@ -85,16 +93,16 @@ class LCSBCallback(Callback):
         from lightning.pytorch import Trainer
         from lcsb_lightning import LCSBCallback
 
-        trainer = Trainer(max_steps=1000, callbacks=[LCSBCallback("cyclic", fraction=0.25)])
+        trainer = Trainer(max_steps=1000, callbacks=[LCSBCallback()])
         trainer.fit(my_lora_module)  # any LightningModule whose model has LoRA-adapted blocks
     """
 
     def __init__(
         self,
-        policy: str | SelectionPolicy = "cyclic",
+        policy: str | SelectionPolicy = "dyadic",
         layers_per_step: int | None = None,
         fraction: float | None = None,
-        backward: str = "identity",
+        backward: str = "truncated",
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
         switch_every: int = 1,

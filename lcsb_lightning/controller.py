@@ -52,7 +52,7 @@ class LCSBController:
         self,
         model: nn.Module,
         policy: SelectionPolicy,
-        backward: str = "identity",
+        backward: str = "truncated",
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
     ) -> None:

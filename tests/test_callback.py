@@ -42,7 +42,7 @@ def _fit(model: TokenLM, lcsb: LCSBCallback, steps: int, **trainer_kwargs: Any) 
 def test_momentum_modes(residual_net, momentum: str) -> None:
     # 2 blocks, k=1: block 0 trains at steps 0, 2, 4; block 1 at steps 1, 3, 5.
     model = TokenLM(residual_net(num_blocks=2), lr=0.05, weight_decay=0.1)
-    lcsb = LCSBCallback("cyclic", layers_per_step=1, momentum=momentum)
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="identity", momentum=momentum)
     recorder = _fit(model, lcsb, steps=4)
     assert recorder.selections == [(0,), (1,), (0,), (1,)]
     moved_while_skipped = not torch.equal(recorder.block0[0], recorder.block0[1])
@@ -59,7 +59,7 @@ def test_momentum_modes(residual_net, momentum: str) -> None:
 
 def test_selection_changes_only_at_optimizer_steps_under_accumulation(residual_net) -> None:
     model = TokenLM(residual_net(num_blocks=4))
-    lcsb = LCSBCallback("cyclic", layers_per_step=2)
+    lcsb = LCSBCallback("cyclic", layers_per_step=2, backward="exact")
     recorder = _fit(model, lcsb, steps=3, accumulate_grad_batches=2)
     assert recorder.selections == [(0, 1), (0, 1), (2, 3), (2, 3), (0, 1), (0, 1)]
     assert lcsb.selection_counts == [2, 2, 1, 1]
@@ -67,13 +67,28 @@ def test_selection_changes_only_at_optimizer_steps_under_accumulation(residual_n
 
 def test_trains_peft_llama_in_an_ordinary_lightning_module() -> None:
     model = TokenLM(tiny_llama_peft(num_layers=4), lr=5e-3)
-    lcsb = LCSBCallback("cyclic", fraction=0.5, log_every_n_steps=0)
+    lcsb = LCSBCallback("cyclic", fraction=0.5, backward="exact", log_every_n_steps=0)
     trainer = quiet_trainer(max_steps=12, callbacks=[lcsb])
     trainer.fit(model, token_batches(num_batches=2, seq=16))
     assert lcsb.selection_counts == [6, 6, 6, 6]
     assert sum(model.losses[-2:]) < sum(model.losses[:2])  # it learns the two repeated batches
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     assert lora and all(p.requires_grad for p in lora)
+
+
+def test_defaults_are_dyadic_with_the_truncated_backward(residual_net) -> None:
+    lcsb = LCSBCallback(log_every_n_steps=0)
+    assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "truncated"
+    recorder = _fit(TokenLM(residual_net(num_blocks=8)), lcsb, steps=8)
+    assert [len(s) for s in recorder.selections] == [8, 1, 2, 1, 4, 1, 2, 1]  # N, N/8, N/4, N/8, N/2, ...
+    assert all(s == tuple(range(8 - len(s), 8)) for s in recorder.selections)  # always the top blocks
+
+
+def test_truncated_backward_trains_every_block_above_the_selection(residual_net) -> None:
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="truncated", log_every_n_steps=0)
+    recorder = _fit(TokenLM(residual_net(num_blocks=4)), lcsb, steps=4)
+    assert recorder.selections == [(0, 1, 2, 3), (1, 2, 3), (2, 3), (3,)]
+    assert lcsb.selection_counts == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("policy", ["cyclic", "random", "grad_norm"])
@@ -126,7 +141,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
         (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
         (dict(layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),
-        (dict(), ValueError, "CyclicPolicy needs `layers_per_step=k` or `fraction=f`; got neither"),
+        (dict(policy="cyclic"), ValueError, "CyclicPolicy needs `layers_per_step=k` or `fraction=f`; got neither"),
         (dict(policy=CyclicPolicy(layers_per_step=1), layers_per_step=2), ValueError, "carries its own size"),
         (dict(policy=3), TypeError, "`policy` must be a name or a SelectionPolicy, got int"),
         (dict(layers_per_step=1, log_every_n_steps=-1), ValueError, "`log_every_n_steps` must be an integer >= 0"),

@@ -46,7 +46,8 @@ def test_every_yaml_opens_with_its_launch_command() -> None:
 def test_default_config_composes() -> None:
     cfg = compose_cfg([])
     assert cfg.model._target_.endswith("smollm2_135m")
-    assert cfg.task.builtin == "pydoc" and cfg.policy.policy == "cyclic"
+    assert cfg.task.builtin == "pydoc" and cfg.policy.policy._target_.endswith("DyadicPolicy")
+    assert cfg.policy.backward == "truncated" and cfg.guard.action == "skip" and cfg.checkpoint_every == 50
 
 
 @pytest.mark.parametrize("name", ["cyclic", "dyadic", "freeze", "full", "grad_norm", "paper", "random"])
