@@ -43,8 +43,10 @@ class LCSBController:
         >>> net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
         >>> opt = torch.optim.AdamW(net[1].parameters())
         >>> ctl = LCSBController(net, CyclicPolicy(layers_per_step=2), momentum="implicit")
-        >>> ctl.begin_step(0, [opt])
-        (0, 1)
+        >>> ctl.begin_step(0, [opt])  # group (0, 1); the truncated backward also trains the blocks above it
+        (0, 1, 2, 3)
+        >>> ctl.begin_step(1, [opt])
+        (2, 3)
         >>> ctl.release()
     """
 

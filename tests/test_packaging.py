@@ -77,3 +77,11 @@ def test_lcsb_finetune_output_is_quiet_and_ends_with_its_table(tmp_path: Path) -
     for row in ("val/loss", "peak memory", "adapter", "loss curve"):
         assert row in output
     assert (run_dir / "loss_curve.png").stat().st_size > 1000 and (run_dir / "finetune.log").is_file()
+
+
+def test_version_is_the_installed_distribution_version() -> None:
+    import importlib.metadata
+
+    import lcsb_lightning
+
+    assert lcsb_lightning.__version__ == importlib.metadata.version("lcsb-lightning")
