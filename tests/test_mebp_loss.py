@@ -58,3 +58,52 @@ def test_streamed_head_decompresses_once_per_chunk_and_not_in_backward() -> None
 def test_chunked_loss_errors(hidden_shape: tuple, labels_shape: tuple, chunk_size: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         chunked_lm_loss(torch.randn(hidden_shape), nn.Linear(8, 10), torch.zeros(labels_shape, dtype=torch.long), chunk_size)
+
+
+def test_out_of_range_labels_are_refused() -> None:
+    hidden = torch.randn(1, 5, 8)
+    labels = torch.tensor([[1, 2, -100, 10, 3]])  # 10 is outside a 10-word vocabulary
+    for head in (nn.Linear(8, 10).requires_grad_(False), nn.Linear(8, 10)):
+        with pytest.raises(ValueError, match=r"label 10 is outside the vocabulary of 10 \(ids 0\.\.9\); only -100"):
+            chunked_lm_loss(hidden, head, labels, chunk_size=2)
+    with pytest.raises(ValueError, match=r"label -3 is outside the vocabulary"):
+        chunked_lm_loss(hidden, nn.Linear(8, 10), torch.tensor([[1, -3, 2, 2, 2]]), chunk_size=2)
+
+
+def _tiny_causal_lm(arch: str) -> nn.Module:
+    import transformers as tf
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    configs = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5)),
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=8, final_logit_softcapping=0.7)),
+        "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.3)),
+    }
+    torch.manual_seed(0)
+    return configs[arch]().float().eval()
+
+
+@pytest.mark.parametrize("head_kind", ["frozen", "trainable"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3", "cohere"])
+def test_chunked_loss_equals_the_models_own_loss(arch: str, head_kind: str) -> None:
+    from lcsb_lightning.mebp import logit_transform
+
+    model = _tiny_causal_lm(arch)
+    with torch.no_grad():  # logits of a few units, where a softcap of 0.5-0.7 bends them hard
+        model.get_output_embeddings().weight.mul_(50)
+    model.get_output_embeddings().requires_grad_(head_kind == "trainable")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference = model(input_ids=ids, labels=labels).loss
+    reference_grads = torch.autograd.grad(reference, params)
+    hidden = model.model(input_ids=ids).last_hidden_state
+    loss = chunked_lm_loss(hidden, model.get_output_embeddings(), labels, chunk_size=5, **logit_transform(model))
+    torch.testing.assert_close(loss, reference)
+    for grad, reference_grad in zip(torch.autograd.grad(loss, params, allow_unused=True), reference_grads):
+        torch.testing.assert_close(grad if grad is not None else torch.zeros_like(reference_grad), reference_grad,
+                                   atol=2e-6, rtol=1e-4)

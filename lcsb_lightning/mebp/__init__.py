@@ -12,7 +12,7 @@ from typing import Any
 from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
 from lcsb_lightning.mebp.formats import FORMATS
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.loss import chunked_lm_loss
+from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
 from lcsb_lightning.mebp.stats import STATS, MeBPStats
 
 # The plugin imports Lightning and the loader imports transformers/gguf: load them on first use.
@@ -26,6 +26,7 @@ __all__ = [
     "apply_mebp",
     "load_compressed",
     "chunked_lm_loss",
+    "logit_transform",
     "mebp_state",
     "CompressedLinear",
     "CompressedEmbedding",

@@ -52,17 +52,25 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, ignore_index: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        head: nn.Linear,
+        ignore_index: int,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
         hidden = hidden.float()
         need_grad = ctx.needs_input_grad[0]
         rows_n = hidden.shape[0]
         running_max = hidden.new_full((rows_n,), float("-inf"))
         running_sum = hidden.new_zeros(rows_n)
         target = hidden.new_zeros(rows_n)
-        weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) W_v
-        target_rows = torch.zeros_like(hidden) if need_grad else None  # W_y
+        weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) dz_v W_v
+        target_rows = torch.zeros_like(hidden) if need_grad else None  # dz_y W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
-            logits = F.linear(hidden, weight, bias)
+            logits, slope = _transform(F.linear(hidden, weight, bias), scale, softcap)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
             rescale = torch.exp(running_max - new_max)
             exp_logits = torch.exp(logits - new_max[:, None])
@@ -71,26 +79,74 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
             inside = ((labels >= rows.start) & (labels < rows.stop)).nonzero().squeeze(1)
             target[inside] = logits[inside, labels[inside] - rows.start]
             if weighted is not None and target_rows is not None:
-                weighted.mul_(rescale[:, None]).addmm_(exp_logits, weight)
-                target_rows[inside] = weight[labels[inside] - rows.start]
+                if slope is None:
+                    weighted.mul_(rescale[:, None]).addmm_(exp_logits, weight)
+                    target_rows[inside] = weight[labels[inside] - rows.start]
+                else:
+                    weighted.mul_(rescale[:, None]).addmm_(exp_logits * slope, weight)
+                    picked = labels[inside] - rows.start
+                    target_rows[inside] = weight[picked] * slope[inside, picked][:, None]
         lse = running_max + torch.log(running_sum)
         valid = (labels != ignore_index).to(hidden.dtype)
         if weighted is not None and target_rows is not None:
-            grad_hidden = (weighted / running_sum[:, None] - target_rows) * valid[:, None]
+            grad_hidden = (weighted / running_sum[:, None] - target_rows) * (valid[:, None] * scale)
             ctx.save_for_backward(grad_hidden)
         return ((lse - target) * valid).sum()
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss, None, None, None
+        return grad_hidden * grad_loss, None, None, None, None, None
+
+
+def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own logits (``softcap * tanh(scale * z / softcap)``) and, with a softcap, their slope
+    over ``scale * z`` (the factor the softmax gradient picks up per logit)."""
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is None:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, 1.0 - capped.square()
 
 
 def _chunk_loss(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], ignore_index: int
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
-    logits = lm_head(hidden).float()
+    logits, _ = _transform(lm_head(hidden).float(), scale, softcap)
+    _check_labels(labels, logits.shape[-1], ignore_index)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(outside.any()):
+        raise ValueError(
+            f"label {int(labels[outside][0])} is outside the vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); "
+            f"only {ignore_index} (`ignore_index`) may lie outside it."
+        )
+
+
+def logit_transform(model: nn.Module) -> dict[str, float | None]:
+    """``chunked_lm_loss`` keyword arguments that reproduce how ``model`` turns LM-head outputs into logits.
+
+    Reads the Hugging Face config (through peft and Lightning wrappers): Gemma 2/3
+    ``final_logit_softcapping``, Cohere ``logit_scale`` (a multiplier), Granite ``logits_scaling`` (a
+    divisor). Models without any of them get ``{"logit_scale": 1.0, "logit_softcap": None}``.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return {"logit_scale": scale, "logit_softcap": float(softcap) if softcap else None}
 
 
 def _streamable(lm_head: Any) -> bool:
@@ -104,6 +160,8 @@ def chunked_lm_loss(
     chunk_size: int = 1024,
     ignore_index: int = -100,
     shift_labels: bool = True,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
@@ -111,7 +169,8 @@ def chunked_lm_loss(
     logits for the whole sequence never exist. For a frozen ``nn.Linear`` head they are streamed
     over vocabulary blocks and the chunk's input gradient is accumulated in the same pass; any
     other head is checkpointed per chunk and its logits are recomputed in backward. The result equals
-    ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift.
+    ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift, and the
+    model's own loss when ``logit_scale``/``logit_softcap`` are the model's (:func:`logit_transform`).
 
     Args:
         hidden_states: ``(batch, seq, hidden)`` output of the final norm.
@@ -121,6 +180,12 @@ def chunked_lm_loss(
         chunk_size: Tokens per chunk (over the flattened batch and sequence).
         ignore_index: Label value excluded from the mean.
         shift_labels: Predict token ``t + 1`` from position ``t`` (as HF causal LMs do).
+        logit_scale: Multiplier of the head's outputs before the softmax (Cohere, Granite).
+        logit_softcap: ``c`` of ``c * tanh(z / c)`` on the logits (Gemma 2/3 ``final_logit_softcapping``).
+
+    Raises:
+        ValueError: on a label outside ``0..vocab-1`` other than ``ignore_index``, before any chunk
+            runs when the head's vocabulary size is known.
 
     Example::
 
@@ -141,15 +206,21 @@ def chunked_lm_loss(
         hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).to(flat_hidden.device)
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"`logit_softcap` must be > 0 or None, got {logit_softcap!r}.")
+    vocab_size = getattr(lm_head, "out_features", None)
+    if isinstance(vocab_size, int):
+        _check_labels(flat_labels, vocab_size, ignore_index)
     stream = _streamable(lm_head)
+    scale, softcap = float(logit_scale), logit_softcap
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_size):
         h, y = flat_hidden[start : start + chunk_size], flat_labels[start : start + chunk_size]
         if stream:
-            total = total + _StreamingLinearCrossEntropy.apply(h, y, lm_head, ignore_index)
+            total = total + _StreamingLinearCrossEntropy.apply(h, y, lm_head, ignore_index, scale, softcap)
         elif torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_loss, h, y, lm_head, ignore_index, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, h, y, lm_head, ignore_index, scale, softcap, use_reentrant=False)
         else:
-            total = total + _chunk_loss(h, y, lm_head, ignore_index)
+            total = total + _chunk_loss(h, y, lm_head, ignore_index, scale, softcap)
     count = (flat_labels != ignore_index).sum().clamp(min=1)
     return total / count

@@ -133,7 +133,7 @@ class CausalLMModule(LightningModule):
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False
             )
             return out.loss
-        from lcsb_lightning.mebp import chunked_lm_loss
+        from lcsb_lightning.mebp import chunked_lm_loss, logit_transform
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         backbone = getattr(base, base.base_model_prefix)  # e.g. LlamaModel: final-norm hidden states, no logits
@@ -141,7 +141,9 @@ class CausalLMModule(LightningModule):
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
         ).last_hidden_state
         head = base.get_output_embeddings()
-        return chunked_lm_loss(hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size)
+        return chunked_lm_loss(
+            hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size, **logit_transform(base)
+        )
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
