@@ -57,12 +57,14 @@ def test_standard_benchmark_on_the_tiny_model_then_resume(tmp_path: Path, monkey
         assert len(list((tmp_path / "plots").glob("*.png"))) == 4
         before = json.loads((tmp_path / "results.json").read_text())
 
-        from lcsb_lightning.bench import finetune_arm, recipe_speed
+        from lcsb_lightning.bench import recipe_speed, runner
+        from lcsb_lightning.recipes import train
 
         def refuse(*args: Any, **kwargs: Any) -> None:
             raise AssertionError("resume ran a finished arm again")
 
-        monkeypatch.setattr(finetune_arm, "run_finetune", refuse)
+        monkeypatch.setattr(runner, "run_finetune_arm", refuse)
+        monkeypatch.setattr(train, "run_finetune", refuse)
         monkeypatch.setattr(recipe_speed, "time_task", refuse)
         again = run_benchmark(bench, tmp_path, compose_ft, command="t")  # every arm finished: nothing runs
         assert again["quality"] == before["quality"] and again["recipe_speed"] == before["recipe_speed"]
