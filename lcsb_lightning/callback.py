@@ -195,8 +195,9 @@ class LCSBCallback(Callback):
                 f"(e.g. {', '.join(outside[:3])})."
             )
         rank_zero_info(
-            f"LCSB: {self.policy!r} over {self.num_blocks} blocks, k={self.policy.k}, "
-            f"backward={self.backward}, momentum={self.momentum}."
+            f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "
+            + (f"k={self.policy.k}, " if self.policy.needs_size else "")
+            + f"backward={self.backward}, momentum={self.momentum}."
         )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

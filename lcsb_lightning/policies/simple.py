@@ -83,6 +83,10 @@ class DyadicPolicy(SelectionPolicy):
             raise ValueError(f"`levels` must be an integer >= 1, got {levels!r}.")
         self.levels = int(levels)
 
+    def __repr__(self) -> str:
+        depths = f", depths={[len(self._choose(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
+        return f"DyadicPolicy(levels={self.levels}{depths}, switch_every={self.switch_every})"
+
     def _choose(self, round_index: int) -> list[int]:
         period = 2 ** (self.levels - 1)
         position = round_index % period
