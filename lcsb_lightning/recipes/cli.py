@@ -8,6 +8,7 @@ wheel). Add your own config folder with Hydra's ``--config-dir`` (``-cd``); see 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ class _NoTips(logging.Filter):
 
 def quiet_lightning_logging() -> None:
     """One line per message: Lightning's own console handler goes (Hydra's root handlers print and
-    write ``<job>.log``), and its advertising tips are filtered out."""
+    write ``<job>.log``); its advertising tips and deprecation notices between libraries are filtered out."""
     for name in _LIGHTNING_LOGGERS:
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
@@ -39,6 +40,10 @@ def quiet_lightning_logging() -> None:
     tips = _NoTips()
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(tips)
+    # Deprecations between the libraries (peft reads transformers' `is_gradient_checkpointing`, Lightning's
+    # pytree helper checks torch's `LeafSpec`): nothing a recipe user can act on.
+    for message in (r".*`is_gradient_checkpointing` is deprecated", r".*isinstance\(treespec, LeafSpec\)"):
+        warnings.filterwarnings("ignore", message=message)
 
 
 def resumed_config(resume: str, overrides: list[str]) -> tuple[DictConfig, Path]:
