@@ -21,6 +21,7 @@ BASE = ["model=tiny", "task=pydoc", "seq_len=32", "task.max_eval_examples=4", f"
         "trainer.val_check_interval=30", "trainer.log_every_n_steps=10", "trainer.enable_progress_bar=false",
         "checkpoint_every=5", "policy.log_every_n_steps=0", "module.lr=1e-2"]
 CONFIGS = {
+    "dyadic": ["policy=dyadic"],
     "cyclic": ["policy=cyclic"],
     "random": ["policy=random"],
     "grad_norm": ["policy=grad_norm"],
@@ -52,7 +53,7 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("cyclic_int4", "grad_norm") else [pytest.mark.slow])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("dyadic", "cyclic_int4", "grad_norm") else [pytest.mark.slow])
                                   for n in CONFIGS])
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path, name: str) -> None:
     overrides = [*BASE, *CONFIGS[name]]
