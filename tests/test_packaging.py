@@ -87,3 +87,15 @@ def test_version_is_the_installed_distribution_version() -> None:
     import lcsb_lightning
 
     assert lcsb_lightning.__version__ == importlib.metadata.version("lcsb-lightning")
+
+
+def test_progress_bar_of_a_step_bounded_run_shows_no_negative_epoch_count() -> None:
+    from types import SimpleNamespace
+
+    from lcsb_lightning.recipes.progress import LCSBProgressBar
+
+    bar = LCSBProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1)  # what Lightning sets when only max_steps bounds the run
+    assert bar._get_train_description(0).strip() == "Training"
+    bar._trainer = SimpleNamespace(max_epochs=3)
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"

@@ -53,6 +53,13 @@ class LCSBProgressBar(RichProgressBar):
                 items["blocks"] = _format_blocks(selection)
         return items
 
+    def _get_train_description(self, current_epoch: int) -> str:
+        # Step-bounded runs have max_epochs == -1, which Rich's bar would print as "Epoch 0/-2".
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"{'Training':{len(self.validation_description)}}"
+
 
 def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
     """The table printed at the end of ``lcsb-finetune``: initial vs final eval metrics, speed, memory, outputs."""
