@@ -207,3 +207,31 @@ def test_identity_path_on_hf_architectures(arch: str) -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
+
+
+def test_top_down_selections_train_the_same_with_the_exact_and_the_truncated_backward() -> None:
+    """Dyadic selects contiguous top blocks, so the lowest selected block is the lowest one the backward
+    passes and both modes run the same computation: the benchmark's dyadic arms (recorded with
+    ``backward: exact``) are the default's (``truncated``)."""
+    import copy
+
+    from lcsb_lightning.controller import LCSBController
+    from lcsb_lightning.policies import DyadicPolicy
+
+    base = tiny_llama_peft()
+    trained = {}
+    for mode in ("exact", "truncated"):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        controller = LCSBController(model, DyadicPolicy(levels=3), backward=mode)
+        for step in range(4):
+            controller.begin_step(step, [optimizer])
+            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            controller.before_optimizer_step(optimizer)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        controller.release()
+        trained[mode] = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(trained["exact"], trained["truncated"]))
+    assert not all(torch.equal(a, b) for a, b in zip(trained["exact"], [p for p in base.parameters() if p.requires_grad]))
