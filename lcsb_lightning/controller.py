@@ -66,6 +66,8 @@ class LCSBController:
         self.selection_counts = [0] * self.block_params.num_blocks
         self.selected_at_step = -1
         self.observed_at_step = -1
+        # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
+        self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
             self.block_params.blocks, self.block_params.params_per_block, "identity" if backward == "identity" else "exact"
         )
@@ -112,7 +114,7 @@ class LCSBController:
             norms = dict(zip(self.selection, values))
             self.policy.observe(norms)
         chosen = set(self.selection)
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        in_optimizer = self._param_ids(optimizer)
         # Identity-path blocks already hold exact zeros; "exact" ones a gradient passed through them
         # may have computed, which is not theirs to use this step.
         known_zero = self.backward == "identity"
@@ -129,6 +131,14 @@ class LCSBController:
                 elif not known_zero:
                     p.grad.zero_()
         return norms
+
+    def _param_ids(self, optimizer: Optimizer) -> frozenset[int]:
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        cached = self._optimizer_param_ids.get(id(optimizer))
+        if cached is None or cached[0] != count:  # first step, or param groups added (e.g. by a finetuning callback)
+            cached = (count, frozenset(id(p) for group in optimizer.param_groups for p in group["params"]))
+            self._optimizer_param_ids[id(optimizer)] = cached
+        return cached[1]
 
     def release(self) -> None:
         """Leave the model as found: the forwards that were there before (idempotent)."""

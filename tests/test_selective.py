@@ -235,3 +235,25 @@ def test_top_down_selections_train_the_same_with_the_exact_and_the_truncated_bac
         trained[mode] = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     assert all(torch.equal(a, b) for a, b in zip(trained["exact"], trained["truncated"]))
     assert not all(torch.equal(a, b) for a, b in zip(trained["exact"], [p for p in base.parameters() if p.requires_grad]))
+
+
+def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatment() -> None:
+    from lcsb_lightning.controller import LCSBController
+    from lcsb_lightning.policies import CyclicPolicy
+
+    model = tiny_llama_peft()
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward="exact", momentum="skip")
+    blocks = controller.block_params.params_per_block
+    optimizer = torch.optim.AdamW(list(blocks[0]), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step, added in ((0, None), (1, blocks[2])):  # step 1 selects block 1; block 2 joins the optimizer
+        if added is not None:
+            optimizer.add_param_group({"params": list(added)})
+        controller.begin_step(step, [optimizer])
+        model(input_ids=ids, labels=ids).loss.backward()
+        controller.before_optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=False)
+    model(input_ids=ids, labels=ids).loss.backward()
+    controller.before_optimizer_step(optimizer)  # still step 1: block 2 is in the optimizer and not selected
+    assert all(p.grad is None for p in blocks[2])  # momentum="skip": the optimizer must skip them
+    controller.release()

@@ -118,6 +118,7 @@ class CausalLMModule(LightningModule):
         self.generate = True
         self._generated = 0
         self.verbalizer: list[list[int]] = []
+        self._logit_kwargs: dict[str, float | None] | None = None  # the model's logit transform, read once
         if isinstance(task, ClassificationTask):
             self.verbalizer = task.verbalizer_ids(tokenizer)
             self.val_acc = MulticlassAccuracy(num_classes=len(self.verbalizer), average="micro")
@@ -141,9 +142,9 @@ class CausalLMModule(LightningModule):
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
         ).last_hidden_state
         head = base.get_output_embeddings()
-        return chunked_lm_loss(
-            hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size, **logit_transform(base)
-        )
+        if self._logit_kwargs is None:
+            self._logit_kwargs = logit_transform(base)
+        return chunked_lm_loss(hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size, **self._logit_kwargs)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
