@@ -84,7 +84,11 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
     else:
         from lcsb_lightning.mebp import QuantizedMeBP, load_compressed
 
-        model = load_compressed(folder, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True)
+        from hydra.utils import instantiate
+
+        # Without a saved folder the random init is built from the shape's config, one tensor at a time.
+        source = folder if folder is not None else instantiate(spec["model_config"])
+        model = load_compressed(source, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True)
         plugins.append(QuantizedMeBP(fmt=spec["fmt"], group_size=int(spec["group_size"])))
     rank = int(spec["rank"])
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear"))
