@@ -6,63 +6,13 @@ import copy
 import importlib.metadata
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from _mebp_utils import tiny_config, tiny_llama, tokens
+from _mebp_utils import tiny_config, tiny_llama, tokens, write_tiny_gguf
 from lcsb_lightning.mebp import apply_mebp, load_compressed, mebp_state
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-
-GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-
-
-def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def write_tiny_gguf(model: nn.Module, path: Path, quant: str = "F32") -> None:
-    """Write ``model`` as llama.cpp's converter would (Q/K permuted; F32 or a gguf quant type)."""
-    import gguf
-
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-test")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    qtype = getattr(gguf.GGMLQuantizationType, quant)
-    tensors = {"token_embd.weight": model.model.embed_tokens.weight, "output_norm.weight": model.model.norm.weight}
-    if not config.tie_word_embeddings:
-        tensors["output.weight"] = model.lm_head.weight
-    for index, layer in enumerate(model.model.layers):
-        for hf_name, gguf_name in GGUF_NAMES.items():
-            tensors[f"blk.{index}.{gguf_name}.weight"] = layer.get_submodule(hf_name).weight
-    for name, tensor in tensors.items():
-        array = tensor.detach().float().numpy().copy()
-        if ".attn_q." in name:
-            array = _llama_cpp_permute(array, config.num_attention_heads)
-        elif ".attn_k." in name:
-            array = _llama_cpp_permute(array, config.num_key_value_heads)
-        if array.ndim == 2 and quant != "F32":
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
 
 def _logits(model: nn.Module) -> torch.Tensor:
     with torch.no_grad():

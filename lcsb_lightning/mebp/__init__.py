@@ -13,7 +13,8 @@ from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
 from lcsb_lightning.mebp.formats import FORMATS
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
-from lcsb_lightning.mebp.stats import STATS, MeBPStats
+from lcsb_lightning.mebp.stats import MeBPStats
+from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 # The plugin imports Lightning and the loader imports transformers/gguf: load them on first use.
 _LAZY = {
@@ -31,8 +32,8 @@ __all__ = [
     "CompressedLinear",
     "CompressedEmbedding",
     "FORMATS",
-    "STATS",
     "MeBPStats",
+    "DecompressionWorkspace",
 ]
 
 

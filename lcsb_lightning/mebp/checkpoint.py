@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_layer, install_layer, remove_layer
-from lcsb_lightning.mebp.stats import STATS, checkpoint_scope
+from lcsb_lightning.mebp.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
 
 #: Name of QuantizedMeBP's layer in a block's forward stack.
@@ -42,6 +42,7 @@ class CheckpointLayer:
         saved_tensors_context: Factory of a context (e.g. ``saved_tensors_hooks``) entered around a
             back-propagated block's forward: with checkpointing it receives the block's checkpoint
             inputs, without it every activation the block saves.
+        stats: Receives the recompute timings (none recorded without it).
     """
 
     name = LAYER_NAME
@@ -52,10 +53,12 @@ class CheckpointLayer:
         block: nn.Module,
         checkpoint_blocks: bool,
         saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
+        stats: MeBPStats | None = None,
     ) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
+        self.stats = stats
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
@@ -70,21 +73,23 @@ class CheckpointLayer:
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         with context:
-            return checkpoint(_Recompute(inner, _first_device(args, kwargs)), *args, use_reentrant=False, **kwargs)
+            recompute = _Recompute(inner, _first_device(args, kwargs), self.stats)
+            return checkpoint(recompute, *args, use_reentrant=False, **kwargs)
 
 
 class _Recompute:
     """The checkpointed function: its first call is the forward, later calls are backward recomputes."""
 
-    def __init__(self, inner: Callable[..., Any], device: torch.device) -> None:
-        self.inner, self.device, self.calls = inner, device, 0
+    def __init__(self, inner: Callable[..., Any], device: torch.device, stats: MeBPStats | None) -> None:
+        self.inner, self.device, self.stats, self.calls = inner, device, stats, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
-        with checkpoint_scope(recompute=True), STATS.time_recompute(self.device):
+        timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
+        with checkpoint_scope(recompute=True), timer:
             return self.inner(*args, **kwargs)
 
 
@@ -92,8 +97,9 @@ def install_block_wrappers(
     blocks: Sequence[nn.Module],
     checkpoint_blocks: bool,
     saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
+    stats: MeBPStats | None = None,
 ) -> None:
-    """Install a :class:`CheckpointLayer` on each block.
+    """Install a :class:`CheckpointLayer` on each block (reporting recompute times to ``stats``).
 
     Example::
 
@@ -105,7 +111,7 @@ def install_block_wrappers(
         if get_layer(block, LAYER_NAME) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block layer installed.")
     for block in blocks:
-        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context))
+        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context, stats))
 
 
 def remove_block_wrappers(blocks: Sequence[nn.Module]) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
@@ -12,6 +14,8 @@ from lcsb_lightning.mebp.checkpoint import install_block_wrappers
 from lcsb_lightning.mebp.formats import Packed, quantize, validate_format
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.offload import MmapOffload
+from lcsb_lightning.mebp.stats import MeBPStats
+from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
 #: Attribute under which ``apply_mebp`` records what it did on the model.
@@ -27,6 +31,8 @@ class MeBPState:
     blocks: list[nn.Module]
     layers: dict[str, nn.Module] = field(default_factory=dict)
     offload: MmapOffload | None = None
+    stats: MeBPStats = field(default_factory=MeBPStats)
+    workspace: DecompressionWorkspace = field(default_factory=DecompressionWorkspace)
 
     def close(self) -> None:
         """Remove the offload directory (the compressed layers stay)."""
@@ -73,22 +79,75 @@ def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     return None, None
 
 
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    """Hugging Face's ``*ScaledWordEmbedding`` (Gemma 3, Bart, ...): a lookup times ``embed_scale``."""
+    return isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding") and hasattr(
+        module, "embed_scale"
+    )
+
+
+def _same_computation(module: nn.Module) -> bool:
+    """Whether the compressed twin computes what ``module`` computes (its class keeps the base forward)."""
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward
+    return type(module).forward is nn.Embedding.forward or _is_scaled_embedding(module)
+
+
+def _candidates(model: nn.Module, blocks: list[nn.Module], compress_embeddings: bool) -> list[nn.Module]:
+    """Every Linear in the blocks and (optionally) the input embedding and LM head, by ``isinstance``."""
+    found: list[nn.Module] = [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    if compress_embeddings:
+        found += [m for m in _embeddings(model) if isinstance(m, (nn.Linear, nn.Embedding))]
+    return found
+
+
 def find_targets(
     model: nn.Module, blocks: list[nn.Module], compress_embeddings: bool, ignore_modules: Iterable[str], group_size: int
 ) -> dict[str, nn.Module]:
-    """Qualified names of the modules to compress; raises on a ``group_size`` that does not fit one."""
+    """Qualified names of the modules to compress; raises on a ``group_size`` that does not fit one.
+
+    A candidate (any ``nn.Linear`` in a block, subclasses included; with ``compress_embeddings`` the
+    input embedding and LM head) is compressed unless it is a peft adapter (LoRA A/B), already
+    quantized (a non-float weight: bitsandbytes' ``Linear4bit``, a ``CompressedLinear``), a subclass
+    whose ``forward`` computes something else (warned), named in ``ignore_modules``, or trainable in
+    a model set up for fine-tuning (see :func:`apply_mebp`; warned).
+    """
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     excluded = _adapter_module_ids(model)
+    # A model whose parameters are all trainable has not been set up for fine-tuning yet (it comes
+    # straight from from_pretrained): compressing freezes it. Otherwise requires_grad is the user's choice.
+    set_up = any(not p.requires_grad for p in model.parameters() if p.is_floating_point())  # not quantized ones
     targets: dict[str, nn.Module] = {}
-    for block in blocks:
-        for module in block.modules():
-            if type(module) is nn.Linear and id(module) not in excluded:
-                targets[names[id(module)]] = module
-    if compress_embeddings:
-        for module in _embeddings(model):
-            if type(module) in (nn.Linear, nn.Embedding) and id(module) not in excluded and id(module) in names:
-                targets[names[id(module)]] = module
-    targets = {name: m for name, m in targets.items() if not _ignored(name, ignore_modules)}
+    trainable: list[str] = []
+    different: list[str] = []
+    for module in _candidates(model, blocks, compress_embeddings):
+        name = names.get(id(module))
+        if name is None or id(module) in excluded or name in targets or _ignored(name, ignore_modules):
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not (weight.is_floating_point() or weight.is_meta):
+            continue  # already quantized
+        if not _same_computation(module):
+            different.append(f"{name} ({type(module).__name__})")
+        elif set_up and weight.requires_grad:
+            trainable.append(name)
+        else:
+            targets[name] = module
+    if different:
+        warnings.warn(
+            f"QuantizedMeBP left {len(different)} module(s) uncompressed whose class overrides `forward`: "
+            f"{', '.join(different)}; add them to `ignore_modules` to silence this.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if trainable:
+        warnings.warn(
+            f"QuantizedMeBP left {len(trainable)} trainable module(s) uncompressed (their weight has "
+            f"requires_grad=True while other parameters are frozen): {', '.join(trainable)}. Freeze them "
+            "before conversion to compress them.",
+            UserWarning,
+            stacklevel=3,
+        )
     for name, module in targets.items():
         width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
         if width % group_size:
@@ -97,6 +156,15 @@ def find_targets(
                 f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to `ignore_modules`."
             )
     return targets
+
+
+def compressed_twin(module: nn.Module, packed: Packed, fmt: str, group_size: int, dtype: torch.dtype) -> nn.Module:
+    """The compressed replacement of a target ``module`` holding ``packed`` (its bias and embedding
+    scale, if any, must already be real tensors)."""
+    if isinstance(module, nn.Embedding):
+        scale = getattr(module, "embed_scale", None) if _is_scaled_embedding(module) else None
+        return CompressedEmbedding(packed, fmt, group_size, module.padding_idx, dtype, embed_scale=scale)
+    return CompressedLinear(module.in_features, module.out_features, packed, module.bias, fmt, group_size)
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -113,11 +181,8 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
         key = id(module.weight)
         if key not in shared:
             shared[key] = quantize(module.weight, fmt, group_size)
-        packed = shared[key]
-        if isinstance(module, nn.Embedding):
-            new: nn.Module = CompressedEmbedding.from_embedding(module, fmt, group_size, packed=packed)
-        else:
-            new = CompressedLinear.from_linear(module, fmt, group_size, packed=packed)
+        dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
+        new = compressed_twin(module, shared[key], fmt, group_size, dtype)
         _set_module(model, name, new)
         done[name] = new
     return done
@@ -137,10 +202,19 @@ def apply_mebp(
 ) -> nn.Module:
     """Convert ``model`` in place to MeBP training form and return it.
 
-    Every ``nn.Linear`` inside the transformer blocks (peft LoRA A/B excepted) and, with
-    ``compress_embeddings``, the input embedding and LM head (tied or not) become 4-bit frozen layers
-    that decompress their weight only while they run. With ``checkpoint`` each block is recomputed
-    in backward; ``offload="mmap"`` writes the blocks' saved tensors to memory-mapped files.
+    Every ``nn.Linear`` inside the transformer blocks (found by ``isinstance``) and, with
+    ``compress_embeddings``, the input embedding (Gemma's scaled one included) and LM head (tied or
+    not) become 4-bit frozen layers that decompress their weight only while they run. With
+    ``checkpoint`` each block is recomputed in backward; ``offload="mmap"`` writes the blocks' saved
+    tensors to memory-mapped files.
+
+    Never compressed: peft adapters (LoRA A/B), already quantized layers (bitsandbytes'
+    ``Linear4bit``), subclasses that override ``forward`` (warned) and **trainable weights**: in a model
+    set up for fine-tuning (some parameters frozen, as after ``get_peft_model``) a Linear whose weight
+    has ``requires_grad=True`` stays as it is and trainable (warned once, with the names). A model
+    whose parameters are all trainable (straight from ``from_pretrained``) is not set up yet: all of
+    its candidates are compressed, which freezes them, as ``BitsAndBytesConfig(load_in_4bit=True)``
+    does.
 
     Args:
         model: A Hugging Face causal LM (optionally peft-wrapped), or any module holding one.
@@ -157,7 +231,7 @@ def apply_mebp(
     Raises:
         ValueError: unknown ``fmt``/``offload``, or ``group_size`` not dividing a layer's inputs.
         ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
-        TypeError: nothing to convert.
+        TypeError: nothing to convert (raised before the model is changed).
 
     Example::
 
@@ -176,7 +250,8 @@ def apply_mebp(
     if not targets:
         raise TypeError(
             f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
-            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={tuple(ignore_modules)!r}`)."
+            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={tuple(ignore_modules)!r}`; "
+            "trainable and already quantized layers are never compressed)."
         )
     layers = compress_modules(model, targets, fmt, group_size)
     return finish_conversion(model, found, layers, fmt, group_size, checkpoint, offload, offload_dir)
@@ -194,10 +269,13 @@ def finish_conversion(
 ) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
     state = MeBPState(fmt, group_size, blocks, layers)
+    for layer in layers.values():
+        layer.stats, layer.workspace = state.stats, state.workspace  # type: ignore[union-attr]
     if offload == "mmap":
         state.offload = MmapOffload(offload_dir)
     if checkpoint or state.offload is not None:
-        install_block_wrappers(blocks, checkpoint, state.offload.hooks if state.offload is not None else None)
+        hooks = state.offload.hooks if state.offload is not None else None
+        install_block_wrappers(blocks, checkpoint, hooks, state.stats)
     object.__setattr__(model, STATE_ATTR, state)
     return model
 

@@ -61,8 +61,16 @@ class Packed:
     scales: torch.Tensor
 
 
+#: Rows are quantized in slices of at most this many weights (bounds the temporaries).
+QUANTIZE_CHUNK_ELEMENTS = 1 << 18
+
+
 def quantize(weight: torch.Tensor, fmt: str, group_size: int) -> Packed:
     """Compress a 2-D weight ``(out, in)``; ``in`` must be divisible by ``group_size``.
+
+    ``nf4``/``fp4`` use bitsandbytes' kernel on CUDA and, elsewhere, the same rounding in plain torch
+    (bit-identical to bitsandbytes' CPU kernel, whose scratch memory stays resident across calls).
+    Rows are processed in slices of :data:`QUANTIZE_CHUNK_ELEMENTS` weights.
 
     Example::
 
@@ -78,52 +86,143 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int) -> Packed:
     rows, cols = weight.shape
     if cols % group_size:
         raise ValueError(f"`group_size={group_size}` does not divide the weight's {cols} columns.")
+    if fmt != "int4" and weight.device.type == "cuda":
+        bnbf = _bnb_functional(fmt)
+        codes, state = bnbf.quantize_4bit(weight.detach().float().contiguous(), blocksize=group_size, quant_type=fmt)
+        return Packed(codes.reshape(rows, cols // 2), state.absmax.float().reshape(rows, cols // group_size))
+    codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(rows, cols // group_size, dtype=torch.float32, device=weight.device)
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        quantize_into(weight[start:stop], fmt, group_size, codes[start:stop], scales[start:stop])
+    return Packed(codes, scales)
+
+
+def quantize_into(weight: torch.Tensor, fmt: str, group_size: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Quantize ``weight`` ``(rows, in)`` into ``codes`` ``(rows, in // 2)`` and ``scales`` ``(rows, in // group_size)``.
+
+    Each group is rounded to its nearest code: multiples of ``absmax / 7`` for ``int4``, bitsandbytes'
+    code book scaled by ``absmax`` for ``nf4``/``fp4`` (in plain torch).
+    """
     w = weight.detach().float()
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group_size, group_size)
+    absmax = groups.abs().amax(dim=-1)
     if fmt == "int4":
-        groups = w.reshape(rows, cols // group_size, group_size)
-        scales = groups.abs().amax(dim=-1) / 7.0
+        scales.copy_(absmax / 7.0)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(groups / safe.unsqueeze(-1)).clamp_(-8, 7).to(torch.int16).add_(8)
-        q = q.reshape(rows, cols).to(torch.uint8)
-        codes = (q[:, 0::2] << 4) | q[:, 1::2]
-        return Packed(codes.contiguous(), scales.contiguous())
-    bnbf = _bnb_functional(fmt)
-    codes, state = bnbf.quantize_4bit(w.contiguous(), blocksize=group_size, quant_type=fmt)
-    return Packed(codes.reshape(rows, cols // 2), state.absmax.float().reshape(rows, cols // group_size))
+        index = torch.round(groups / safe.unsqueeze(-1)).clamp_(-8, 7).add_(8).to(torch.uint8)
+    else:
+        scales.copy_(absmax)
+        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        values, order = _code_book_order(fmt, w.device)
+        midpoints = (values[1:] + values[:-1]) / 2
+        index = order[torch.bucketize(groups / safe.unsqueeze(-1), midpoints)]
+    index = index.reshape(rows, cols)
+    codes.copy_((index[:, 0::2] << 4) | index[:, 1::2])
 
 
-def dequantize(packed: Packed, fmt: str, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decompress to a ``(out, in)`` tensor of ``dtype`` (rows may be any subset, see :func:`select_rows`)."""
+def _code_book_order(fmt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' ``fmt`` code book sorted, and each sorted entry's code (uint8)."""
+    values, order = torch.sort(_code_book(fmt, torch.device("cpu")).float())
+    return values.to(device), order.to(device=device, dtype=torch.uint8)
+
+
+def dequantize(
+    packed: Packed,
+    fmt: str,
+    group_size: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    index_buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decompress to a ``(out, in)`` tensor of ``dtype`` (rows may be any subset, see :func:`select_rows`).
+
+    Args:
+        packed: The compressed rows.
+        fmt: Their format.
+        group_size: Weights per scale.
+        dtype: Dtype of the result.
+        out: Optional ``(out, in)`` tensor of ``dtype`` to write into (no allocation of the result).
+        index_buffer: For ``int4`` with ``out``: an int32 tensor shaped like the codes, used as
+            scratch (no allocation at all).
+    """
     codes, scales = packed.codes, packed.scales
     rows, half = codes.shape
     cols = half * 2
+    if out is not None and (tuple(out.shape) != (rows, cols) or out.dtype != dtype):
+        raise ValueError(f"`out` must be a {(rows, cols)} tensor of {dtype}, got {tuple(out.shape)} {out.dtype}.")
+    # bitsandbytes scales in float32 then rounds: the table reproduces it bit for bit in float32 only.
+    if out is not None and (fmt == "int4" or (codes.device.type != "cuda" and dtype == torch.float32)):
+        return _dequantize_by_table(packed, fmt, group_size, out, index_buffer)
     if fmt == "int4":
         # One table lookup turns a byte into its two signed codes (faster than shifting and masking).
-        pairs = F.embedding(codes.to(torch.int32), _int4_table(codes.device, dtype))
-        w = pairs.reshape(rows, cols // group_size, group_size)
+        w = F.embedding(codes.to(torch.int32), _code_pairs(fmt, codes.device, dtype)).reshape(rows, cols // group_size, group_size)
         return w.mul_(scales.to(dtype).unsqueeze(-1)).reshape(rows, cols)
     bnbf = _bnb_functional(fmt)
+    native = dtype in (torch.float32, torch.float16, torch.bfloat16)
     state = bnbf.QuantState(
         absmax=scales.reshape(-1).float(),
         shape=torch.Size((rows, cols)),
-        code=bnbf.get_4bit_type(fmt, device=codes.device),
+        code=_code_book(fmt, codes.device),
         blocksize=group_size,
         quant_type=fmt,
-        dtype=torch.float32,
+        dtype=dtype if native else torch.float32,
     )
-    return bnbf.dequantize_4bit(codes.reshape(-1, 1), state).to(dtype)
+    if out is not None and native and codes.device.type == "cuda":  # its CUDA kernel writes into `out`
+        return bnbf.dequantize_4bit(codes.reshape(-1, 1), state, out=out)
+    result = bnbf.dequantize_4bit(codes.reshape(-1, 1), state)
+    return out.copy_(result) if out is not None else result.to(dtype)
 
 
-_INT4_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+#: Integer dtype as wide as two values of a float dtype: a byte's two codes are then looked up as one.
+_PAIR_AS_INT = {4: torch.int64, 2: torch.int32}
 
 
-def _int4_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(256, 2)``: byte ``b`` -> ``(b >> 4) - 8, (b & 15) - 8``."""
-    key = (device, dtype)
-    if key not in _INT4_TABLES:
+def _dequantize_by_table(
+    packed: Packed, fmt: str, group_size: int, out: torch.Tensor, index_buffer: torch.Tensor | None
+) -> torch.Tensor:
+    """Every format in plain torch, writing into ``out``: byte -> its two code values, times the scale."""
+    codes, scales = packed.codes, packed.scales
+    rows, cols = out.shape
+    pairs = _code_pairs(fmt, codes.device, out.dtype)
+    index = index_buffer.copy_(codes) if index_buffer is not None else codes.to(torch.int32)
+    as_int = _PAIR_AS_INT.get(out.element_size())
+    if as_int is not None:
+        torch.index_select(pairs.view(as_int).reshape(-1), 0, index.reshape(-1), out=out.view(as_int).reshape(-1))
+    else:
+        torch.index_select(pairs, 0, index.reshape(-1), out=out.view(-1, 2))
+    out.view(rows, cols // group_size, group_size).mul_(scales.to(out.dtype).unsqueeze(-1))
+    return out
+
+
+_CODE_PAIRS: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+_CODE_BOOKS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _code_book(fmt: str, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' 16-entry ``fmt`` code book on ``device``, built once (not copied per decompression)."""
+    key = (fmt, torch.device(device))
+    if key not in _CODE_BOOKS:
+        _CODE_BOOKS[key] = _bnb_functional(fmt).get_4bit_type(fmt, device=key[1])
+    return _CODE_BOOKS[key]
+
+
+def _code_pairs(fmt: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``(256, 2)``: byte ``b`` -> the values of its codes ``b >> 4`` and ``b & 15`` (before scaling).
+
+    ``int4``: ``code - 8``; ``nf4``/``fp4``: bitsandbytes' code book (equal to its dequantization).
+    """
+    key = (fmt, torch.device(device), dtype)
+    if key not in _CODE_PAIRS:
         byte = torch.arange(256)
-        _INT4_TABLES[key] = (torch.stack((byte >> 4, byte & 15), dim=-1) - 8).to(device=device, dtype=dtype)
-    return _INT4_TABLES[key]
+        if fmt == "int4":
+            values = torch.arange(16, dtype=torch.float32) - 8
+        else:
+            values = _code_book(fmt, torch.device("cpu")).float()
+        _CODE_PAIRS[key] = torch.stack((values[byte >> 4], values[byte & 15]), dim=-1).to(device=device, dtype=dtype)
+    return _CODE_PAIRS[key]
 
 
 def select_rows(packed: Packed, index: torch.Tensor | slice) -> Packed:

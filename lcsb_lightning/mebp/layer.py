@@ -2,9 +2,11 @@
 
 The weight lives as 4-bit codes (``weight``, uint8) and scales (``scales``, float32). A forward call
 decompresses it, multiplies and drops it; the backward pass decompresses it again to form the input
-gradient. Inside a checkpointed block the recompute decompresses once and that copy serves the block's
-backward, so a back-propagated block costs one backward decompression per layer and a block skipped
-by LCSB costs none. Layers wider than ``max_chunk_elements`` are processed in row chunks so that
+gradient. Inside a checkpointed block the recompute decompresses once and that copy serves the
+layer's backward (unless ``keep_recomputed_weight`` is False: then the backward decompresses again,
+so that only one layer's float weight exists at a time), so a back-propagated block costs one
+backward decompression per layer and a block skipped by LCSB costs none. Decompressed weights go
+into buffers of the model's :class:`~lcsb_lightning.mebp.workspace.DecompressionWorkspace`. Layers wider than ``max_chunk_elements`` are processed in row chunks so that
 a 150k-row LM head never exists decompressed in full.
 
 The compressed buffers are not part of ``state_dict()``: they are re-derived from the source
@@ -13,14 +15,16 @@ weights, so Lightning checkpoints hold only the trainable (LoRA) and other float
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lcsb_lightning.mebp.formats import Packed, dequantize, quantize, select_rows
-from lcsb_lightning.mebp.stats import checkpointed, recomputing, time_decompress
+from lcsb_lightning.mebp.stats import MeBPStats, checkpointed, recomputing
+from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 #: Default largest number of weights decompressed at once (64 MiB in float32).
 MAX_CHUNK_ELEMENTS = 1 << 24
@@ -33,22 +37,27 @@ class _CompressedLinearFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layer: CompressedLinear) -> torch.Tensor:
         ctx.layer = layer
         ctx.has_bias = bias is not None
+        ctx.weight_given_back = False
         phase = "backward" if recomputing() else "forward"
         chunks = layer.row_chunks()
         if len(chunks) == 1:
             weight = layer.decompress(x.dtype, phase)
             out = F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
-            # Inside a checkpoint the saved weight is discarded in forward and kept from the recompute
-            # for this block's backward only; outside one nothing decompressed outlives the call.
-            keep = checkpointed()
-            ctx.save_for_backward(weight if keep else None)
+            # Inside a checkpoint the first forward and the recompute must save alike. The checkpoint
+            # drops what the first forward saves; the recompute's copy serves this layer's backward.
+            # Nothing else outlives the call, so its buffer goes straight back to the workspace.
+            save = checkpointed() and layer.keep_recomputed_weight and ctx.needs_input_grad[0]
+            ctx.save_for_backward(weight if save else None)
+            if not (save and recomputing()):
+                layer.give_back(weight)
             return out
         ctx.save_for_backward(None)
         out = x.new_empty(*x.shape[:-1], layer.out_features)
-        with time_decompress(phase, x.device):
+        with layer.timed(phase, x.device):
             for rows in chunks:
-                part = dequantize(layer.packed(rows), layer.fmt, layer.group_size, x.dtype)
+                part = layer.decompress_rows(rows, x.dtype)
                 out[..., rows] = F.linear(x, part, bias[rows].to(x.dtype) if bias is not None else None)
+                layer.give_back(part)
         layer.decompress_count[phase] += 1
         return out
 
@@ -56,21 +65,27 @@ class _CompressedLinearFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         layer: CompressedLinear = ctx.layer
         (weight,) = ctx.saved_tensors
+        if ctx.weight_given_back:  # a second backward through a retained graph: the buffer was reused
+            weight = None
         grad_in = None
         if ctx.needs_input_grad[0]:
             chunks = layer.row_chunks()
             if weight is not None:
                 grad_in = grad_out.matmul(weight.to(grad_out.dtype))
             elif len(chunks) == 1:
-                grad_in = grad_out.matmul(layer.decompress(grad_out.dtype, "backward"))
+                weight = layer.decompress(grad_out.dtype, "backward")
+                grad_in = grad_out.matmul(weight)
             else:
-                grad_in = None
-                with time_decompress("backward", grad_out.device):
+                with layer.timed("backward", grad_out.device):
                     for rows in chunks:
-                        part = dequantize(layer.packed(rows), layer.fmt, layer.group_size, grad_out.dtype)
+                        part = layer.decompress_rows(rows, grad_out.dtype)
                         term = grad_out[..., rows].matmul(part)
                         grad_in = term if grad_in is None else grad_in.add_(term)
+                        layer.give_back(part)
                 layer.decompress_count["backward"] += 1
+        if weight is not None:
+            layer.give_back(weight)
+            ctx.weight_given_back = True
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
@@ -78,13 +93,21 @@ class _CompressedLinearFn(torch.autograd.Function):
 
 
 class _CompressedWeight:
-    """Shared plumbing of the compressed layers (buffers ``weight`` = codes and ``scales``)."""
+    """Shared plumbing of the compressed layers (buffers ``weight`` = codes and ``scales``).
+
+    ``stats`` (a :class:`MeBPStats`) receives the decompression timings and ``workspace`` (a
+    :class:`DecompressionWorkspace`) lends the decompression buffers; :func:`apply_mebp` sets both to
+    the converted model's own. Without them nothing is timed and every decompression allocates.
+    """
 
     fmt: str
     group_size: int
     weight: torch.Tensor
     scales: torch.Tensor
     decompress_count: dict[str, int]
+    stats: MeBPStats | None
+    workspace: DecompressionWorkspace | None
+    keep_recomputed_weight: bool
 
     def _store(self, packed: Packed, fmt: str, group_size: int) -> None:
         """Keep the codes and scales as non-persistent buffers (rebuilt from the source weights)."""
@@ -94,17 +117,43 @@ class _CompressedWeight:
         self.register_buffer("weight", packed.codes, persistent=False)
         self.register_buffer("scales", packed.scales, persistent=False)
         self.decompress_count = {"forward": 0, "backward": 0}
+        self.stats = None
+        self.workspace = None
+        self.keep_recomputed_weight = True
 
     def packed(self, rows: torch.Tensor | slice | None = None) -> Packed:
         full = Packed(self.weight, self.scales)
         return full if rows is None else select_rows(full, rows)
 
+    def timed(self, phase: str, device: torch.device) -> ContextManager[None]:
+        """Time a decompression into :attr:`stats` (a no-op without one)."""
+        return self.stats.time_decompress(phase, device) if self.stats is not None else contextlib.nullcontext()
+
+    def decompress_rows(self, rows: torch.Tensor | slice | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` (all with None) of the float weight, in a workspace buffer when there is one."""
+        packed = self.packed(rows)
+        if self.workspace is None:
+            return dequantize(packed, self.fmt, self.group_size, dtype)
+        out_rows, half = packed.codes.shape
+        device = packed.codes.device
+        out = self.workspace.borrow((out_rows, half * 2), dtype, device)
+        index = self.workspace.borrow((out_rows, half), torch.int32, device)
+        try:
+            return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
+        finally:
+            self.workspace.give_back(index)
+
     def decompress(self, dtype: torch.dtype = torch.float32, phase: str = "forward") -> torch.Tensor:
-        """The full float weight (counted and timed as a ``phase`` decompression)."""
-        with time_decompress(phase, self.weight.device):
-            out = dequantize(self.packed(), self.fmt, self.group_size, dtype)
+        """The full float weight (counted and timed as a ``phase`` decompression); see :meth:`give_back`."""
+        with self.timed(phase, self.weight.device):
+            out = self.decompress_rows(None, dtype)
         self.decompress_count[phase] += 1
         return out
+
+    def give_back(self, weight: torch.Tensor) -> None:
+        """Return a weight from :meth:`decompress` to the workspace; it must not be read afterwards."""
+        if self.workspace is not None:
+            self.workspace.give_back(weight)
 
     def compressed_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
@@ -180,6 +229,7 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         group_size: int,
         padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
+        embed_scale: torch.Tensor | float | None = None,
     ) -> None:
         super().__init__()
         self.dtype = dtype
@@ -187,6 +237,10 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         self.embedding_dim = half * 2
         self.padding_idx = padding_idx
         self._store(packed, fmt, group_size)
+        if embed_scale is not None:  # Hugging Face's scaled word embeddings (Gemma 3, ...)
+            self.register_buffer("embed_scale", torch.as_tensor(embed_scale).detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
 
     @classmethod
     def from_embedding(
@@ -195,14 +249,15 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         if packed is None:
             packed = quantize(embedding.weight, fmt, group_size)
         dtype = embedding.weight.dtype if embedding.weight.is_floating_point() else torch.float32
-        return cls(packed, fmt, group_size, embedding.padding_idx, dtype)
+        return cls(packed, fmt, group_size, embedding.padding_idx, dtype, getattr(embedding, "embed_scale", None))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        with time_decompress("forward", self.weight.device):
+        with self.timed("forward", self.weight.device):
             rows = dequantize(self.packed(flat), self.fmt, self.group_size, self.dtype)
         self.decompress_count["forward"] += 1
-        return rows.reshape(*input_ids.shape, self.embedding_dim)
+        rows = rows.reshape(*input_ids.shape, self.embedding_dim)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}, group_size={self.group_size}"

@@ -2,8 +2,14 @@
 
 The model skeleton is created on the meta device; then every module to compress is built straight
 from its source weight (quantized in row chunks, so not even the 150k-row embedding exists in float
-at once), and the remaining small float parameters (norms, biases, ignored modules) are loaded. Peak
-memory stays near the compressed model size plus one weight chunk.
+at once), and the remaining small float parameters (norms, biases, ignored modules) are loaded.
+
+What is bounded: besides the compressed model and the float parameters kept in float, loading holds
+one float32 row chunk of at most ``LOAD_CHUNK_ELEMENTS`` weights (16 MiB) and its quantized parts,
+plus what the source needs to produce that chunk. A GGUF file is memory-mapped: the packed bytes of
+the tensor being read are file-backed pages (at most one tensor's packed size), and the heap holds
+the chunk plus one ``gguf`` dequantize call on at most ``sources.DEQUANTIZE_ELEMENTS`` weights
+(the file's parsed metadata, such as the tokenizer, stays open until the model is built).
 """
 
 from __future__ import annotations
@@ -11,19 +17,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import torch
 from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
-from lcsb_lightning.mebp.convert import finish_conversion, find_targets, validate_args
-from lcsb_lightning.mebp.formats import Packed, quantize
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource
+from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets, validate_args
+from lcsb_lightning.mebp.formats import Packed, quantize_into
+from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 #: Largest number of float weights quantized at once while loading.
-LOAD_CHUNK_ELEMENTS = 1 << 22
+LOAD_CHUNK_ELEMENTS = 1 << 18
 
 Source = Union[str, os.PathLike, Any]  # a folder, a .gguf path, or a transformers PretrainedConfig
 
@@ -41,14 +49,17 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
 
 
 def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_size: int) -> Packed:
-    step = max(1, LOAD_CHUNK_ELEMENTS // shape[1])
-    codes, scales = [], []
-    for start in range(0, shape[0], step):
-        stop = min(start + step, shape[0])
-        part = quantize(source.rows(name, shape, start, stop), fmt, group_size)
-        codes.append(part.codes)
-        scales.append(part.scales)
-    return Packed(torch.cat(codes), torch.cat(scales))
+    """The compressed tensor, written in place one row chunk at a time (no list of parts to join)."""
+    rows, cols = shape
+    if cols % group_size:
+        raise ValueError(f"`group_size={group_size}` does not divide the {cols} columns of `{name}`.")
+    codes = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, cols // group_size, dtype=torch.float32)
+    step = max(1, LOAD_CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        quantize_into(source.rows(name, shape, start, stop), fmt, group_size, codes[start:stop], scales[start:stop])
+    return Packed(codes, scales)
 
 
 def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
@@ -69,12 +80,14 @@ def _release_free_heap() -> None:
     trim(0)
 
 
-def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None]:
-    """``(config, kind, path)`` where kind is ``"random"``, ``"safetensors"`` or ``"gguf"``."""
+def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None, GGUFReader | None]:
+    """``(config, kind, path, reader)``: kind is ``"random"``, ``"safetensors"`` or ``"gguf"``; reader is
+    the open ``gguf.GGUFReader`` of a GGUF file (its architecture checked before the config is parsed),
+    else ``None``."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
-        return source, "random", None
+        return source, "random", None, None
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(
             f"`source` must be a checkpoint folder, a .gguf file or a transformers config, got {type(source).__name__}."
@@ -85,11 +98,12 @@ def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
+        reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
         folder, name = os.path.split(os.path.abspath(path))
-        return AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path
+        return AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path, reader
     if not os.path.isdir(path):
         raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
-    return AutoConfig.from_pretrained(path), "safetensors", path
+    return AutoConfig.from_pretrained(path), "safetensors", path, None
 
 
 def load_compressed(
@@ -132,7 +146,7 @@ def load_compressed(
         'CompressedLinear'
     """
     validate_args(fmt, group_size, checkpoint, offload, tuple(ignore_modules))
-    config, kind, path = _resolve(source, gguf_file, seed)
+    config, kind, path, reader = _resolve(source, gguf_file, seed)
     model = _meta_model(config, dtype)
     found = find_blocks(model)
     targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
@@ -144,7 +158,7 @@ def load_compressed(
         tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
         weight_source = SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
     else:
-        weight_source = GGUFSource(path, model)
+        weight_source = GGUFSource(reader, model)  # maps names, checks tensor types and shapes
 
     shared: dict[int, Packed] = {}
     layers: dict[str, nn.Module] = {}
@@ -152,11 +166,9 @@ def load_compressed(
         key = id(module.weight)
         if key not in shared:
             shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size)
-        if isinstance(module, nn.Embedding):
-            new: nn.Module = CompressedEmbedding(shared[key], fmt, group_size, module.padding_idx, dtype)
-        else:
-            bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype) if module.bias is not None else None
-            new = CompressedLinear(module.in_features, module.out_features, shared[key], bias, fmt, group_size)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype)
+        new = compressed_twin(module, shared[key], fmt, group_size, dtype)
         parent, _, child = target_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         layers[target_name] = new
@@ -167,6 +179,6 @@ def load_compressed(
                 if id(param) not in loaded:
                     loaded[id(param)] = _float_param(weight_source, names[id(param)], param, dtype)
                 module._parameters[pname] = loaded[id(param)]
-    del weight_source, shared, loaded
+    del weight_source, reader, shared, loaded
     _release_free_heap()  # the float row chunks were freed; do not keep their pages resident
     return finish_conversion(model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir)

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lcsb_lightning.mebp.formats import dequantize
 from lcsb_lightning.mebp.layer import MAX_CHUNK_ELEMENTS, CompressedLinear
-from lcsb_lightning.mebp.stats import time_decompress
 
 #: Head weights decompressed (and logits computed per token) per vocabulary block: 16 MiB in float32.
 VOCAB_BLOCK_ELEMENTS = 1 << 22
@@ -32,12 +30,14 @@ def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[
     chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
     for rows in chunks:
         if isinstance(head, CompressedLinear):
-            with time_decompress(phase, head.weight.device):
-                weight = dequantize(head.packed(rows), head.fmt, head.group_size, dtype)
+            with head.timed(phase, head.weight.device):
+                weight = head.decompress_rows(rows, dtype)
         else:
             weight = head.weight[rows].to(dtype)
         bias = head.bias[rows].to(dtype) if head.bias is not None else None
         yield rows, weight, bias
+        if isinstance(head, CompressedLinear):  # the caller is done with this block
+            head.give_back(weight)
     if isinstance(head, CompressedLinear):
         head.decompress_count[phase] += 1
 

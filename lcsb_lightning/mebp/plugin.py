@@ -12,7 +12,7 @@ from torch import nn
 
 from lcsb_lightning.mebp.convert import apply_mebp, mebp_state, validate_args
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.stats import STATS
+from lcsb_lightning.mebp.stats import MeBPStats
 
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
@@ -79,6 +79,7 @@ class QuantizedMeBP(Precision):
         self.ignore_modules = ignore_modules
         self.offload_dir = offload_dir
         self._module: nn.Module | None = None
+        self._detached_stats: MeBPStats | None = None
         self.last_metrics: dict[str, float] = {}
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -96,8 +97,18 @@ class QuantizedMeBP(Precision):
             )
         _skip_ddp_buffer_sync(module)
         self._module = module
-        STATS.reset()
+        self.stats.reset()
         return module
+
+    @property
+    def stats(self) -> MeBPStats:
+        """The timers of the converted model (a fresh, unattached one before ``convert_module``)."""
+        state = mebp_state(self._module) if self._module is not None else None
+        if state is None:
+            if self._detached_stats is None:
+                self._detached_stats = MeBPStats()
+            return self._detached_stats
+        return state.stats
 
     @property
     def offload_path(self) -> str | None:
@@ -107,12 +118,13 @@ class QuantizedMeBP(Precision):
 
     @contextlib.contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
-        enabled, STATS.enabled = STATS.enabled, False
+        stats = self.stats
+        enabled, stats.enabled = stats.enabled, False
         try:
             with super().val_step_context():
                 yield
         finally:
-            STATS.enabled = enabled
+            stats.enabled = enabled
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -121,12 +133,12 @@ class QuantizedMeBP(Precision):
         finally:
             if tensor.device.type == "cuda":
                 torch.cuda.synchronize(tensor.device)
-            STATS.backward_ms += (time.perf_counter() - start) * 1e3
+            self.stats.backward_ms += (time.perf_counter() - start) * 1e3
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model, closure, **kwargs)
-        self.last_metrics = STATS.as_dict()
-        STATS.reset()
+        self.last_metrics = self.stats.as_dict()
+        self.stats.reset()
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
             for logger in trainer.loggers:

@@ -1,18 +1,37 @@
 """Weight sources for :func:`load_compressed`: random init, a safetensors folder, a GGUF file.
 
-A source yields one tensor (or a range of its rows) at a time by Hugging Face parameter name, so
-the loader never holds more than one float tensor, or one row chunk of a large one.
+A source yields one tensor (or a range of its rows) at a time by Hugging Face parameter name; the
+loader asks for row chunks of at most ``LOAD_CHUNK_ELEMENTS`` floats and quantizes each one before
+asking for the next.
+
+What is bounded, for a GGUF file: the file is memory-mapped, so the packed bytes of the tensor being
+read are file-backed pages (at most that tensor's packed size resident, reclaimable by the OS). On
+the heap a :class:`GGUFSource` holds the float32 chunk it returns plus the working memory of one
+``gguf.quants.dequantize`` call on at most ``DEQUANTIZE_ELEMENTS`` weights (the packed rows it
+gathers, gguf's own output and temporaries); it keeps nothing between calls. 1-D tensors (norms,
+biases) are dequantized whole.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TensorNameMap
+
+#: GGUF architectures (``general.architecture``) a :class:`GGUFSource` reads: those transformers'
+#: GGUF loader supports among the llama, Qwen2 and Gemma families (it has no ``gemma``, Gemma 1).
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "gemma2", "gemma3")
+#: Largest number of weights dequantized in one ``gguf.quants.dequantize`` call (256 KiB of float32).
+DEQUANTIZE_ELEMENTS = 1 << 16
 
 
 class WeightSource(Protocol):
@@ -54,7 +73,7 @@ class SafetensorsSource:
             if not os.path.isfile(single):
                 raise FileNotFoundError(f"No `model.safetensors` or `model.safetensors.index.json` in {folder!r}.")
             with safe_open(single, "pt") as handle:
-                self.files = {name: single for name in handle.keys()}
+                self.files = dict.fromkeys(handle.keys(), single)  # safe_open has keys() but no __iter__
         self.aliases = aliases or {}
 
     def _resolve(self, name: str) -> str:
@@ -73,31 +92,173 @@ class SafetensorsSource:
         return tensor.float()
 
 
+def gguf_architecture(reader: GGUFReader) -> str:
+    """The file's ``general.architecture``, checked against :data:`GGUF_ARCHITECTURES`.
+
+    Raises:
+        ValueError: the architecture is missing or not supported.
+    """
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported by `load_compressed`; "
+            f"supported architectures: {', '.join(GGUF_ARCHITECTURES)}."
+        )
+    return str(arch)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Memory-map a GGUF file with ``gguf.GGUFReader`` and check its architecture (no tensor is read)."""
+    import gguf
+
+    reader = gguf.GGUFReader(os.fspath(path))
+    gguf_architecture(reader)
+    return reader
+
+
+@functools.cache
+def _dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether ``gguf.quants.dequantize`` implements ``qtype`` (tried on one zero block)."""
+    import gguf
+
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def gguf_quant_types() -> tuple[str, ...]:
+    """Names of the GGML tensor types the installed ``gguf`` package dequantizes (F32, F16, BF16, Q*, IQ*...)."""
+    import gguf
+
+    return tuple(qtype.name for qtype in gguf.GGMLQuantizationType if _dequantizable(qtype))
+
+
+def _gguf_name(name_map: TensorNameMap, hf_name: str) -> str | None:
+    """GGUF tensor name of HF parameter ``hf_name`` (``None`` if the architecture has none).
+
+    Like transformers' loader, names relative to each submodule are tried too (``model.x`` -> ``x``).
+    """
+    base, _, suffix = hf_name.rpartition(".")
+    parts = base.split(".")
+    for first in range(len(parts)):
+        mapped = name_map.get_name(".".join(parts[first:]))
+        if mapped is not None:
+            return f"{mapped}.{suffix}"
+    return None
+
+
+def _head_count(reader: GGUFReader, key: str) -> int | None:
+    """An integer metadata field of the file, ``None`` if absent."""
+    field = reader.get_field(key)
+    return None if field is None else int(field.contents())
+
+
 class GGUFSource:
-    """A GGUF file; each tensor is dequantized on its own with the ``gguf`` package."""
+    """A GGUF file, read in row ranges straight from its memory map with the ``gguf`` package.
 
-    def __init__(self, path: str, model: nn.Module) -> None:
+    Parameter names are mapped with gguf's public ``get_tensor_name_map``; the value transforms are
+    those transformers' GGUF loader applies: for ``llama`` files the Q and K projection rows that
+    llama.cpp's converter permuted are read back in Hugging Face order (a row range gathers the
+    packed rows it needs), and for Gemma 2/3 the norm weights, stored plus one, get one subtracted.
+    Only the packed rows of the requested range are dequantized, at most ``DEQUANTIZE_ELEMENTS``
+    weights per ``gguf.quants.dequantize`` call, into the one float32 chunk returned.
+
+    Args:
+        gguf_file: Path of the file, or a ``gguf.GGUFReader`` already open on it.
+        model: The model to load (meta parameters are fine): its ``named_parameters()`` are mapped;
+            parameters tied together share one GGUF tensor (tied embeddings have no ``output``).
+
+    Raises:
+        ValueError: unsupported architecture, a parameter with no tensor in the file or of another
+            shape, or a tensor type ``gguf`` cannot dequantize; all before any tensor is read.
+    """
+
+    def __init__(self, gguf_file: str | os.PathLike[str] | GGUFReader, model: nn.Module) -> None:
         import gguf
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-        self._gguf = gguf
-        self.reader = gguf.GGUFReader(path)
-        config = model.config
-        self.processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
-        hf_to_gguf = {hf: gg for gg, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+        self.reader = gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(os.fspath(gguf_file))
+        self.architecture = arch = gguf_architecture(self.reader)
+        arch_id = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}[arch]
+        name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
         by_name = {tensor.name: tensor for tensor in self.reader.tensors}
-        self.tensors = {hf: by_name[gg] for hf, gg in hf_to_gguf.items() if gg in by_name}
-        self._cache: tuple[str, torch.Tensor] | None = None
+        groups: dict[int, list[tuple[str, torch.Size]]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append((name, param.shape))
+        self.tensors: dict[str, ReaderTensor] = {}
+        missing: list[str] = []
+        for group in groups.values():
+            found = [by_name[g] for g in (_gguf_name(name_map, n) for n, _ in group) if g in by_name]
+            if not found:
+                missing.extend(n for n, _ in group)
+            for name, shape in group:
+                if found:
+                    self.tensors[name] = self._checked(found[0], name, shape)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"The GGUF file has no tensor for the parameters {shown} (architecture {arch!r}).")
+        # transformers reverses llama.cpp's permutation only when both head counts are in the file.
+        heads = _head_count(self.reader, f"{arch}.attention.head_count")
+        kv_heads = _head_count(self.reader, f"{arch}.attention.head_count_kv")
+        self._heads: dict[str, int] = {}
+        if arch == "llama" and heads is not None and kv_heads is not None:
+            for name, tensor in self.tensors.items():
+                if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+                    self._heads[name] = heads if ".attn_q." in tensor.name else kv_heads
+        self._shifted: set[str] = set()
+        if arch in ("gemma2", "gemma3"):
+            self._shifted = {name for name, tensor in self.tensors.items() if "norm.weight" in tensor.name}
+
+    @staticmethod
+    def _checked(tensor: ReaderTensor, name: str, shape: torch.Size) -> ReaderTensor:
+        if not _dequantizable(tensor.tensor_type):
+            raise ValueError(
+                f"GGUF tensor `{tensor.name}` (parameter `{name}`) has type {tensor.tensor_type.name}, which the "
+                f"installed gguf package cannot dequantize; supported types: {', '.join(gguf_quant_types())}."
+            )
+        file_shape = tuple(reversed([int(d) for d in tensor.shape]))
+        if file_shape != tuple(shape):
+            raise ValueError(f"GGUF tensor `{tensor.name}` has shape {file_shape}; parameter `{name}` has {tuple(shape)}.")
+        return tensor
+
+    def _file_rows(self, name: str, rows: int, start: int, stop: int) -> np.ndarray | None:
+        """File row of each HF row ``start:stop`` of a permuted Q/K tensor with ``rows`` rows; else ``None``.
+
+        llama.cpp stores HF row ``(head, half, i)`` of each head's two rotary halves at
+        ``(head, i, half)``: the rows of the two halves interleaved.
+        """
+        n_head = self._heads.get(name)
+        if n_head is None:
+            return None
+        size = rows // n_head
+        head, within = np.divmod(np.arange(start, stop), size)
+        half, pos = np.divmod(within, size // 2)
+        return head * size + 2 * pos + half
 
     def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of parameter ``name`` (the whole tensor for 1-D shapes) as float32."""
+        from gguf.quants import dequantize
+
         if name not in self.tensors:
             raise KeyError(f"Parameter `{name}` has no tensor in the GGUF file.")
-        if self._cache is None or self._cache[0] != name:
-            tensor = self.tensors[name]
-            weights = self._gguf.dequantize(tensor.data, tensor.tensor_type)
-            weights = self.processor.process(weights=weights, name=tensor.name).weights
-            self._cache = (name, torch.from_numpy(weights.copy()).float().reshape(shape))
-        full = self._cache[1]
-        if len(shape) == 1 or stop >= shape[0]:
-            self._cache = None  # last chunk: free the dequantized tensor
-        return full if len(shape) == 1 else full[start:stop]
+        tensor = self.tensors[name]
+        qtype, data = tensor.tensor_type, tensor.data
+        if len(shape) == 1:  # a norm or a bias: small, dequantized whole
+            index = self._file_rows(name, shape[0], 0, shape[0])
+            values = dequantize(data, qtype).reshape(-1)
+            out = np.array(values if index is None else values[index], dtype=np.float32)  # a copy, never the map
+        else:
+            index = self._file_rows(name, shape[0], start, stop)
+            out = np.empty((stop - start, shape[1]), dtype=np.float32)
+            step = max(1, DEQUANTIZE_ELEMENTS // shape[1])
+            for low in range(0, stop - start, step):
+                high = min(low + step, stop - start)
+                # A slice of the memory map is read in place; a gather copies only these packed rows.
+                packed = data[start + low : start + high] if index is None else data[index[low:high]]
+                out[low:high] = dequantize(packed, qtype)
+        if name in self._shifted:
+            out -= 1  # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w
+        return torch.from_numpy(out)

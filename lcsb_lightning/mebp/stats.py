@@ -1,4 +1,8 @@
-"""Process-wide decompression and recompute timers (plain Python, read by the plugin and the benchmark).
+"""Decompression and recompute timers of one converted model (plain Python, read by its plugin).
+
+Every model :func:`~lcsb_lightning.mebp.apply_mebp` converts gets its own :class:`MeBPStats`
+(``mebp_state(model).stats``); its compressed layers and checkpointed blocks report to it, so two
+models, plugins or trainers in one process never mix their figures.
 
 Decompression happens either in the forward pass (``"forward"``) or while autograd runs the backward
 pass (``"backward"``: the compressed Linear's input-gradient, and every decompression inside a
@@ -52,9 +56,10 @@ class MeBPStats:
     Example::
 
         >>> stats = MeBPStats()
-        >>> stats.add_decompress("forward", 1.5)
-        >>> stats.as_dict()["mebp/decompress_fwd_ms"]
-        1.5
+        >>> with stats.time_decompress("forward", torch.device("cpu")):
+        ...     _ = torch.ones(4).sum()
+        >>> stats.decompress_count["forward"]
+        1
     """
 
     decompress_ms: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
@@ -78,7 +83,16 @@ class MeBPStats:
         self.recompute_ms += ms
 
     def time_recompute(self, device: torch.device) -> ContextManager[None]:
+        """Time a block's backward recompute (a no-op while ``enabled`` is False)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
         return _timed_ms(device, self.add_recompute)
+
+    def time_decompress(self, phase: str, device: torch.device) -> ContextManager[None]:
+        """Time one decompression in ``phase`` (``"forward"``/``"backward"``; a no-op while disabled)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return _timed_ms(device, lambda ms: self.add_decompress(phase, ms))
 
     def as_dict(self) -> dict[str, float]:
         """Metrics named ``mebp/...``; ``decompress_share_bwd`` only once a backward was timed."""
@@ -93,20 +107,6 @@ class MeBPStats:
             out["mebp/backward_ms"] = self.backward_ms
             out["mebp/decompress_share_bwd"] = self.decompress_ms["backward"] / self.backward_ms
         return out
-
-
-#: The process-wide instance every compressed layer reports to.
-STATS = MeBPStats()
-
-
-@contextlib.contextmanager
-def time_decompress(phase: str, device: torch.device) -> Iterator[None]:
-    """Time a decompression into :data:`STATS` (a no-op when ``STATS.enabled`` is False)."""
-    if not STATS.enabled:
-        yield
-        return
-    with _timed_ms(device, lambda ms: STATS.add_decompress(phase, ms)):
-        yield
 
 
 @contextlib.contextmanager

@@ -1,0 +1,108 @@
+"""Decompression buffers are reused without changing a single gradient; timers belong to one model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _mebp_utils import add_lora, lora_grads, tiny_llama, tokens
+
+from lcsb_lightning.mebp import CompressedLinear, DecompressionWorkspace, apply_mebp, chunked_lm_loss, mebp_state
+from lcsb_lightning.mebp.formats import FORMATS, dequantize, quantize
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dequantize_into_a_buffer_equals_the_allocating_path(fmt: str, dtype: torch.dtype) -> None:
+    packed = quantize(torch.randn(48, 128, generator=torch.Generator().manual_seed(0)), fmt, 64)
+    out = torch.full((48, 128), float("nan"), dtype=dtype)
+    index = torch.empty(48, 64, dtype=torch.int32)
+    result = dequantize(packed, fmt, 64, dtype, out=out, index_buffer=index)
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(result, dequantize(packed, fmt, 64, dtype))
+
+
+def test_dequantize_rejects_a_buffer_of_the_wrong_shape() -> None:
+    packed = quantize(torch.randn(8, 64), "int4", 32)
+    with pytest.raises(ValueError, match=r"`out` must be a \(8, 64\) tensor of torch.float32, got \(8, 32\)"):
+        dequantize(packed, "int4", 32, torch.float32, out=torch.empty(8, 32))
+
+
+def test_workspace_lends_and_reuses_per_shape_and_dtype() -> None:
+    workspace = DecompressionWorkspace(max_free_per_key=1)
+    cpu = torch.device("cpu")
+    a = workspace.borrow((4, 8), torch.float32, cpu)
+    b = workspace.borrow((4, 8), torch.float32, cpu)
+    workspace.give_back(a)
+    workspace.give_back(b)  # over max_free_per_key: dropped
+    assert workspace.free_bytes() == 4 * 8 * 4
+    assert workspace.borrow((4, 8), torch.float32, cpu) is a
+    assert workspace.borrow((4, 8), torch.float64, cpu) is not b
+    assert (workspace.allocations, workspace.reuses) == (3, 1)
+    assert copy.deepcopy(workspace).free_bytes() == 0
+    with pytest.raises(ValueError, match="`max_free_per_key` must be >= 1, got 0"):
+        DecompressionWorkspace(0)
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, retain: bool = False) -> torch.Tensor:
+    causal_lm = model.get_base_model()
+    hidden = causal_lm.model(input_ids=ids).last_hidden_state
+    loss = chunked_lm_loss(hidden, causal_lm.get_output_embeddings(), ids, chunk_size=8)
+    loss.backward(retain_graph=retain)
+    return loss
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_gradients_are_bit_identical_with_and_without_the_workspace(checkpoint: bool) -> None:
+    base = add_lora(tiny_llama(num_layers=3))
+    pooled = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint)
+    plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint)
+    for layer in mebp_state(plain).layers.values():
+        layer.workspace = None
+    workspace = mebp_state(pooled).workspace
+    for step in range(2):
+        ids = tokens(seed=step)
+        assert torch.equal(_step(pooled, ids), _step(plain, ids))
+        assert lora_grads(pooled).keys() == lora_grads(plain).keys()
+        for name, grad in lora_grads(pooled).items():
+            assert torch.equal(grad, lora_grads(plain)[name]), name
+        if step == 0:
+            allocations = workspace.allocations
+    assert workspace.allocations == allocations, "the second step allocated decompression buffers again"
+    assert workspace.reuses > 0
+
+
+def test_a_retained_graph_backpropagated_twice_never_reads_a_reused_buffer() -> None:
+    base = add_lora(tiny_llama(num_layers=2))
+    model = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=False)
+    reference = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=False)
+    ids = tokens()
+    causal_lm = model.get_base_model()
+    loss = chunked_lm_loss(causal_lm.model(input_ids=ids).last_hidden_state, causal_lm.lm_head, ids)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _step(reference, ids)
+    for name, grad in lora_grads(model).items():
+        torch.testing.assert_close(grad, 2 * lora_grads(reference)[name], rtol=1e-6, atol=1e-7)
+
+
+def test_two_models_in_one_process_keep_their_own_timers() -> None:
+    first = apply_mebp(add_lora(tiny_llama(num_layers=2)), fmt="int4", group_size=32)
+    second = apply_mebp(add_lora(tiny_llama(num_layers=2)), fmt="int4", group_size=32)
+    _step(first, tokens())
+    stats_first, stats_second = mebp_state(first).stats, mebp_state(second).stats
+    # block Linears, the embedding, the LM head once per loss chunk (30 shifted tokens in chunks of 8)
+    assert stats_first.decompress_count["forward"] == 2 * 7 + 1 + 4 and stats_first.recompute_ms > 0
+    assert stats_second.decompress_count == {"forward": 0, "backward": 0} and stats_second.recompute_ms == 0
+    assert stats_first is not stats_second and mebp_state(first).workspace is not mebp_state(second).workspace
+    layer = next(m for m in first.modules() if isinstance(m, CompressedLinear))
+    assert layer.stats is stats_first
+
+
+def test_a_disabled_timer_records_nothing() -> None:
+    model = apply_mebp(add_lora(tiny_llama(num_layers=2)), fmt="int4", group_size=32)
+    stats = mebp_state(model).stats
+    stats.enabled = False
+    _step(model, tokens())
+    assert stats.as_dict()["mebp/decompress_fwd_count"] == 0 and stats.recompute_ms == 0
