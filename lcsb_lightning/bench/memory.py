@@ -6,6 +6,8 @@ Arms (per random-init shape, LoRA on every block Linear, batch 1, float32 comput
 ``qlora``       peft + ``BitsAndBytesConfig(load_in_4bit)`` nf4 + HF gradient checkpointing (the usual recipe)
 ``mebp``        ``load_compressed`` + ``QuantizedMeBP``, full backprop, chunked LM-head loss
 ``mebp_lcsb``   the same + ``LCSBCallback`` (``fraction`` of the blocks per step, the study's backward mode)
+``mebp_lean``   ``mebp`` with its lower-memory options: ``weights="mmap"``, ``keep_recomputed_weights=False``,
+                ``release_heap=True`` (the same gradients)
 =============== ================================================================================
 
 Each arm reports the whole-process peak RSS, the RSS right after importing the stack (so that
@@ -25,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-ARMS = ("qlora", "mebp", "mebp_lcsb")
+ARMS = ("qlora", "mebp", "mebp_lcsb", "mebp_lean")
+#: QuantizedMeBP's lower-memory options, as the ``mebp_lean`` arm sets them.
+LEAN_OPTIONS = {"weights": "mmap", "keep_recomputed_weights": False, "release_heap": True}
 LEAN_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
@@ -88,8 +92,9 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
 
         # Without a saved folder the random init is built from the shape's config, one tensor at a time.
         source = folder if folder is not None else instantiate(spec["model_config"])
-        model = load_compressed(source, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True)
-        plugins.append(QuantizedMeBP(fmt=spec["fmt"], group_size=int(spec["group_size"])))
+        options: dict[str, Any] = LEAN_OPTIONS if arm == "mebp_lean" else {}
+        model = load_compressed(source, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True, **options)
+        plugins.append(QuantizedMeBP(fmt=spec["fmt"], group_size=int(spec["group_size"]), **options))
     rank = int(spec["rank"])
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear"))
     load_s = time.perf_counter() - start

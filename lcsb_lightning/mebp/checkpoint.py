@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_layer, install_layer, remove_layer
+from lcsb_lightning.mebp.heap import release_free_heap
 from lcsb_lightning.mebp.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
 
@@ -43,6 +44,8 @@ class CheckpointLayer:
             back-propagated block's forward: with checkpointing it receives the block's checkpoint
             inputs, without it every activation the block saves.
         stats: Receives the recompute timings (none recorded without it).
+        release_heap: Return freed heap memory to the OS before the block runs and before its
+            recompute (:mod:`~lcsb_lightning.mebp.heap`).
     """
 
     name = LAYER_NAME
@@ -54,13 +57,17 @@ class CheckpointLayer:
         checkpoint_blocks: bool,
         saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
         stats: MeBPStats | None = None,
+        release_heap: bool = False,
     ) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
         self.stats = stats
+        self.release_heap = release_heap
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.release_heap:
+            release_free_heap()
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
             return inner(*args, **kwargs)
         context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()
@@ -73,21 +80,24 @@ class CheckpointLayer:
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         with context:
-            recompute = _Recompute(inner, _first_device(args, kwargs), self.stats)
+            recompute = _Recompute(inner, _first_device(args, kwargs), self.stats, self.release_heap)
             return checkpoint(recompute, *args, use_reentrant=False, **kwargs)
 
 
 class _Recompute:
     """The checkpointed function: its first call is the forward, later calls are backward recomputes."""
 
-    def __init__(self, inner: Callable[..., Any], device: torch.device, stats: MeBPStats | None) -> None:
+    def __init__(self, inner: Callable[..., Any], device: torch.device, stats: MeBPStats | None, release_heap: bool) -> None:
         self.inner, self.device, self.stats, self.calls = inner, device, stats, 0
+        self.release_heap = release_heap
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
+        if self.release_heap:
+            release_free_heap()
         timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
         with checkpoint_scope(recompute=True), timer:
             return self.inner(*args, **kwargs)
@@ -98,6 +108,7 @@ def install_block_wrappers(
     checkpoint_blocks: bool,
     saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
     stats: MeBPStats | None = None,
+    release_heap: bool = False,
 ) -> None:
     """Install a :class:`CheckpointLayer` on each block (reporting recompute times to ``stats``).
 
@@ -111,7 +122,7 @@ def install_block_wrappers(
         if get_layer(block, LAYER_NAME) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block layer installed.")
     for block in blocks:
-        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context, stats))
+        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
 
 
 def remove_block_wrappers(blocks: Sequence[nn.Module]) -> None:

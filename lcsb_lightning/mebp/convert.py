@@ -15,9 +15,12 @@ from lcsb_lightning.mebp.formats import Packed, quantize, validate_format
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.offload import MmapOffload
 from lcsb_lightning.mebp.stats import MeBPStats
+from lcsb_lightning.mebp.storage import MappedWeights, mmap_supported
 from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
+#: Where the compressed weights live: process memory, or memory-mapped files released after each use.
+WEIGHT_STORAGE: tuple[str, ...] = ("ram", "mmap")
 #: Attribute under which ``apply_mebp`` records what it did on the model.
 STATE_ATTR = "_mebp_state"
 
@@ -31,22 +34,41 @@ class MeBPState:
     blocks: list[nn.Module]
     layers: dict[str, nn.Module] = field(default_factory=dict)
     offload: MmapOffload | None = None
+    weight_store: MappedWeights | None = None
     stats: MeBPStats = field(default_factory=MeBPStats)
     workspace: DecompressionWorkspace = field(default_factory=DecompressionWorkspace)
 
     def close(self) -> None:
-        """Remove the offload directory (the compressed layers stay)."""
+        """Remove the offload and weight directories (the compressed layers stay usable)."""
         if self.offload is not None:
             self.offload.close()
+        if self.weight_store is not None:
+            self.weight_store.close()
 
 
-def validate_args(fmt: str, group_size: int, checkpoint: bool, offload: str, ignore_modules: Iterable[str]) -> None:
+def validate_args(
+    fmt: str,
+    group_size: int,
+    checkpoint: bool,
+    offload: str,
+    ignore_modules: Iterable[str],
+    weights: str = "ram",
+    keep_recomputed_weights: bool = True,
+    release_heap: bool = False,
+) -> None:
     """Check every argument of :func:`apply_mebp` / ``QuantizedMeBP`` (raises before any work)."""
     validate_format(fmt, group_size)
     if not isinstance(checkpoint, bool):
         raise TypeError(f"`checkpoint` must be a bool, got {checkpoint!r}.")
+    for name, flag in (("keep_recomputed_weights", keep_recomputed_weights), ("release_heap", release_heap)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {flag!r}.")
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"`offload={offload!r}` is not supported; choose one of {', '.join(map(repr, OFFLOAD_MODES))}.")
+    if weights not in WEIGHT_STORAGE:
+        raise ValueError(f"`weights={weights!r}` is not supported; choose one of {', '.join(map(repr, WEIGHT_STORAGE))}.")
+    if weights == "mmap" and not mmap_supported():
+        raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
     if isinstance(ignore_modules, str) or not all(isinstance(name, str) for name in ignore_modules):
         raise TypeError(f"`ignore_modules` must be a collection of module names, got {ignore_modules!r}.")
 
@@ -197,6 +219,9 @@ def apply_mebp(
     compress_embeddings: bool = True,
     ignore_modules: Iterable[str] = (),
     *,
+    weights: str = "ram",
+    keep_recomputed_weights: bool = True,
+    release_heap: bool = False,
     blocks: BlocksSpec = "auto",
     offload_dir: str | None = None,
 ) -> nn.Module:
@@ -225,8 +250,18 @@ def apply_mebp(
         compress_embeddings: Also compress the input embedding and LM head.
         ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
+        weights: ``"ram"`` keeps the compressed weights in process memory; ``"mmap"`` writes them to
+            memory-mapped files and drops each layer's pages from the process after it ran
+            (:mod:`~lcsb_lightning.mebp.storage`; CPU, Linux/macOS).
+        keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
+            backward recompute until that Linear's backward (one backward decompression per layer).
+            ``False`` decompresses it again there instead: the same gradients, bit for bit, with at
+            most one layer's float weight alive at a time, for one more decompression per layer.
+        release_heap: Return freed heap memory to the OS before each block runs and before its
+            recompute (glibc ``malloc_trim``; :mod:`~lcsb_lightning.mebp.heap`): a flat resident set
+            for some step time.
         blocks: How to find the blocks (see :func:`lcsb_lightning.blocks.find_blocks`).
-        offload_dir: Parent of the temporary offload directory.
+        offload_dir: Parent of the temporary offload and weight directories.
 
     Raises:
         ValueError: unknown ``fmt``/``offload``, or ``group_size`` not dividing a layer's inputs.
@@ -242,7 +277,7 @@ def apply_mebp(
         >>> type(model.model.layers[0].mlp.up_proj).__name__
         'CompressedLinear'
     """
-    validate_args(fmt, group_size, checkpoint, offload, ignore_modules)
+    validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
     if mebp_state(model) is not None:
         raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")
     found = find_blocks(model, blocks)
@@ -254,7 +289,23 @@ def apply_mebp(
             "trainable and already quantized layers are never compressed)."
         )
     layers = compress_modules(model, targets, fmt, group_size)
-    return finish_conversion(model, found, layers, fmt, group_size, checkpoint, offload, offload_dir)
+    store = MappedWeights(offload_dir) if weights == "mmap" else None
+    if store is not None:
+        map_layers(layers, store)
+    return finish_conversion(
+        model, found, layers, fmt, group_size, checkpoint, offload, offload_dir, store, keep_recomputed_weights,
+        release_heap,
+    )
+
+
+def map_layers(layers: dict[str, nn.Module], store: MappedWeights) -> None:
+    """Move the layers' codes and scales into ``store`` (layers sharing a tensor share its mapping)."""
+    mapped: dict[int, Packed] = {}
+    for layer in layers.values():
+        key = id(layer.weight)
+        if key not in mapped:
+            mapped[key] = store.map(layer.packed())  # type: ignore[operator]
+        layer.weight, layer.scales = mapped[key].codes, mapped[key].scales
 
 
 def finish_conversion(
@@ -266,16 +317,21 @@ def finish_conversion(
     checkpoint: bool,
     offload: str,
     offload_dir: str | None,
+    weight_store: MappedWeights | None = None,
+    keep_recomputed_weights: bool = True,
+    release_heap: bool = False,
 ) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
-    state = MeBPState(fmt, group_size, blocks, layers)
+    state = MeBPState(fmt, group_size, blocks, layers, weight_store=weight_store)
     for layer in layers.values():
         layer.stats, layer.workspace = state.stats, state.workspace  # type: ignore[union-attr]
+        layer.weight_store = weight_store  # type: ignore[union-attr]
+        layer.keep_recomputed_weight = keep_recomputed_weights  # type: ignore[union-attr]
     if offload == "mmap":
         state.offload = MmapOffload(offload_dir)
-    if checkpoint or state.offload is not None:
+    if checkpoint or state.offload is not None or release_heap:
         hooks = state.offload.hooks if state.offload is not None else None
-        install_block_wrappers(blocks, checkpoint, hooks, state.stats)
+        install_block_wrappers(blocks, checkpoint, hooks, state.stats, release_heap)
     object.__setattr__(model, STATE_ATTR, state)
     return model
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from lcsb_lightning.mebp.formats import Packed, dequantize, quantize, select_rows
 from lcsb_lightning.mebp.stats import MeBPStats, checkpointed, recomputing
+from lcsb_lightning.mebp.storage import MappedWeights
 from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 #: Default largest number of weights decompressed at once (64 MiB in float32).
@@ -107,6 +108,7 @@ class _CompressedWeight:
     decompress_count: dict[str, int]
     stats: MeBPStats | None
     workspace: DecompressionWorkspace | None
+    weight_store: MappedWeights | None
     keep_recomputed_weight: bool
 
     def _store(self, packed: Packed, fmt: str, group_size: int) -> None:
@@ -119,6 +121,7 @@ class _CompressedWeight:
         self.decompress_count = {"forward": 0, "backward": 0}
         self.stats = None
         self.workspace = None
+        self.weight_store = None
         self.keep_recomputed_weight = True
 
     def packed(self, rows: torch.Tensor | slice | None = None) -> Packed:
@@ -132,16 +135,25 @@ class _CompressedWeight:
     def decompress_rows(self, rows: torch.Tensor | slice | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` (all with None) of the float weight, in a workspace buffer when there is one."""
         packed = self.packed(rows)
-        if self.workspace is None:
-            return dequantize(packed, self.fmt, self.group_size, dtype)
-        out_rows, half = packed.codes.shape
-        device = packed.codes.device
-        out = self.workspace.borrow((out_rows, half * 2), dtype, device)
-        index = self.workspace.borrow((out_rows, half), torch.int32, device)
         try:
-            return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
+            if self.workspace is None:
+                return dequantize(packed, self.fmt, self.group_size, dtype)
+            out_rows, half = packed.codes.shape
+            device = packed.codes.device
+            out = self.workspace.borrow((out_rows, half * 2), dtype, device)
+            index = self.workspace.borrow((out_rows, half), torch.int32, device)
+            try:
+                return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
+            finally:
+                self.workspace.give_back(index)
         finally:
-            self.workspace.give_back(index)
+            self.release_pages()
+
+    def release_pages(self) -> None:
+        """With memory-mapped weights, drop this layer's compressed pages from the process."""
+        if self.weight_store is not None:
+            self.weight_store.release(self.weight)
+            self.weight_store.release(self.scales)
 
     def decompress(self, dtype: torch.dtype = torch.float32, phase: str = "forward") -> torch.Tensor:
         """The full float weight (counted and timed as a ``phase`` decompression); see :meth:`give_back`."""
@@ -255,6 +267,7 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         flat = input_ids.reshape(-1)
         with self.timed("forward", self.weight.device):
             rows = dequantize(self.packed(flat), self.fmt, self.group_size, self.dtype)
+            self.release_pages()
         self.decompress_count["forward"] += 1
         rows = rows.reshape(*input_ids.shape, self.embedding_dim)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)

@@ -14,8 +14,6 @@ the chunk plus one ``gguf`` dequantize call on at most ``sources.DEQUANTIZE_ELEM
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
@@ -25,6 +23,8 @@ from torch import nn
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets, validate_args
 from lcsb_lightning.mebp.formats import Packed, quantize_into
+from lcsb_lightning.mebp.heap import release_free_heap
+from lcsb_lightning.mebp.storage import MappedWeights
 from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
@@ -67,19 +67,6 @@ def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: to
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
 
 
-def _release_free_heap() -> None:
-    """Give freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
 def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None, GGUFReader | None]:
     """``(config, kind, path, reader)``: kind is ``"random"``, ``"safetensors"`` or ``"gguf"``; reader is
     the open ``gguf.GGUFReader`` of a GGUF file (its architecture checked before the config is parsed),
@@ -118,6 +105,9 @@ def load_compressed(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    weights: str = "ram",
+    keep_recomputed_weights: bool = True,
+    release_heap: bool = False,
     offload_dir: str | None = None,
 ) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
@@ -130,7 +120,10 @@ def load_compressed(
         gguf_file: File name of the GGUF inside the ``source`` folder.
         dtype: Dtype of the float parameters that stay uncompressed (norms, biases).
         seed: Seed of the random init.
-        offload_dir: Parent of the temporary offload directory.
+        weights, keep_recomputed_weights, release_heap: As in :func:`~lcsb_lightning.mebp.apply_mebp`; with
+            ``weights="mmap"`` each tensor goes to its file as soon as it is compressed, so the
+            compressed model never is resident as a whole, not even while loading.
+        offload_dir: Parent of the temporary offload and weight directories.
 
     Returns:
         The model, in eval mode, with the state :func:`~lcsb_lightning.mebp.mebp_state` reports;
@@ -145,7 +138,9 @@ def load_compressed(
         >>> type(model.lm_head).__name__
         'CompressedLinear'
     """
-    validate_args(fmt, group_size, checkpoint, offload, tuple(ignore_modules))
+    validate_args(
+        fmt, group_size, checkpoint, offload, tuple(ignore_modules), weights, keep_recomputed_weights, release_heap
+    )
     config, kind, path, reader = _resolve(source, gguf_file, seed)
     model = _meta_model(config, dtype)
     found = find_blocks(model)
@@ -161,11 +156,14 @@ def load_compressed(
         weight_source = GGUFSource(reader, model)  # maps names, checks tensor types and shapes
 
     shared: dict[int, Packed] = {}
+    store = MappedWeights(offload_dir) if weights == "mmap" else None
     layers: dict[str, nn.Module] = {}
     for target_name, module in targets.items():
         key = id(module.weight)
         if key not in shared:
             shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size)
+            if store is not None:
+                shared[key] = store.map(shared[key])
         if isinstance(module, nn.Linear) and module.bias is not None:
             module.bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype)
         new = compressed_twin(module, shared[key], fmt, group_size, dtype)
@@ -180,5 +178,8 @@ def load_compressed(
                     loaded[id(param)] = _float_param(weight_source, names[id(param)], param, dtype)
                 module._parameters[pname] = loaded[id(param)]
     del weight_source, reader, shared, loaded
-    _release_free_heap()  # the float row chunks were freed; do not keep their pages resident
-    return finish_conversion(model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir)
+    release_free_heap()  # the float row chunks were freed; do not keep their pages resident
+    return finish_conversion(
+        model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir, store,
+        keep_recomputed_weights, release_heap,
+    )

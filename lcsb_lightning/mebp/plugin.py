@@ -49,7 +49,13 @@ class QuantizedMeBP(Precision):
         offload: ``"none"`` or ``"mmap"``.
         compress_embeddings: Also compress the input embedding and LM head.
         ignore_modules: Module names to keep uncompressed.
-        offload_dir: Parent directory of the temporary offload directory.
+        offload_dir: Parent directory of the temporary offload and weight directories.
+        weights: ``"ram"`` or ``"mmap"`` (compressed weights in memory-mapped files, resident only
+            while their layer runs).
+        keep_recomputed_weights: ``False`` decompresses each weight again in backward rather than
+            keeping the recompute's copy (lower peak, same gradients, more decompression time).
+        release_heap: Return freed heap memory to the OS before each block runs (glibc; a flat
+            resident set instead of one that grows from step to step, for some step time).
 
     Example::
 
@@ -68,9 +74,15 @@ class QuantizedMeBP(Precision):
         compress_embeddings: bool = True,
         ignore_modules: Iterable[str] = (),
         offload_dir: str | None = None,
+        weights: str = "ram",
+        keep_recomputed_weights: bool = True,
+        release_heap: bool = False,
     ) -> None:
         ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
-        validate_args(fmt, group_size, checkpoint, offload, ignore_modules)
+        validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
+        self.weights = weights
+        self.keep_recomputed_weights = keep_recomputed_weights
+        self.release_heap = release_heap
         self.fmt = fmt
         self.group_size = group_size
         self.checkpoint = checkpoint
@@ -94,6 +106,9 @@ class QuantizedMeBP(Precision):
                 compress_embeddings=self.compress_embeddings,
                 ignore_modules=self.ignore_modules,
                 offload_dir=self.offload_dir,
+                weights=self.weights,
+                keep_recomputed_weights=self.keep_recomputed_weights,
+                release_heap=self.release_heap,
             )
         _skip_ddp_buffer_sync(module)
         self._module = module

@@ -1,0 +1,115 @@
+"""Compressed weights in memory-mapped files, resident only while their layer runs (``weights="mmap"``).
+
+MeBP stores the frozen weights compressed and decompresses them lazily; on a phone the compressed
+weights themselves are memory-mapped from flash. :class:`MappedWeights` does the same: each
+compressed tensor is written once to its own file in a private temporary directory and replaced by
+a shared memory map of it. After a layer has decompressed its weight, :meth:`MappedWeights.release`
+drops the mapping's pages from the process (``madvise(MADV_DONTNEED)``): the bytes stay in the OS page
+cache (or on disk, under memory pressure) and the next use maps them back. The process's resident
+set then holds the compressed weights of the layers running now, not of the whole model.
+
+Linux and macOS only (``madvise``); CPU tensors only (a model moved to CUDA holds its codes in GPU
+memory as usual).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from typing import Any
+
+import torch
+
+from lcsb_lightning.mebp.formats import Packed
+
+_MADV_DONTNEED = 4  # the same value on Linux and macOS
+
+
+def _libc_madvise() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None or not sys.platform.startswith(("linux", "darwin")):
+        return None
+    madvise = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+
+
+def mmap_supported() -> bool:
+    """Whether this platform can release mapped pages (``weights="mmap"``)."""
+    return _MADVISE is not None
+
+
+class MappedWeights:
+    """Writes compressed tensors to files and maps them back; see the module docstring.
+
+    Args:
+        parent_dir: Where the temporary directory is created (default: the system temp dir).
+
+    Example::
+
+        >>> store = MappedWeights()
+        >>> packed = store.map(Packed(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1)))
+        >>> store.release(packed.codes)
+        >>> int(packed.scales.sum())
+        4
+        >>> store.close()
+    """
+
+    def __init__(self, parent_dir: str | None = None) -> None:
+        if not mmap_supported():
+            raise OSError(f"`weights='mmap'` needs madvise (Linux or macOS); this is {sys.platform}. Use weights='ram'.")
+        self.parent_dir = parent_dir
+        self.path = tempfile.mkdtemp(prefix="lcsb_mebp_weights_", dir=parent_dir)
+        self._counter = itertools.count()
+        self.bytes_mapped = 0
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        atexit.register(self._finalizer)
+
+    def _map_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        path = os.path.join(self.path, f"{next(self._counter)}.bin")
+        data = tensor.detach().contiguous().cpu()
+        with open(path, "wb") as handle:
+            data.reshape(-1).view(torch.uint8).numpy().tofile(handle)
+        mapped = torch.from_file(path, shared=True, size=data.numel(), dtype=data.dtype).reshape(data.shape)
+        os.unlink(path)  # the mapping keeps the file's pages; nothing is left on disk after exit
+        self.bytes_mapped += data.numel() * data.element_size()
+        self.release(mapped)
+        return mapped
+
+    def map(self, packed: Packed) -> Packed:
+        """A copy of ``packed`` whose codes and scales live in memory-mapped files."""
+        return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales))
+
+    @staticmethod
+    def release(tensor: torch.Tensor) -> None:
+        """Drop the resident pages of a mapped tensor (its values stay; the next read maps them back)."""
+        nbytes = tensor.untyped_storage().nbytes()
+        start = tensor.untyped_storage().data_ptr()
+        aligned = start - start % mmap.PAGESIZE
+        if nbytes and _MADVISE is not None:
+            _MADVISE(aligned, start + nbytes - aligned, _MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Remove the (empty) temporary directory; the mappings stay valid until their tensors are freed."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (deepcopy, pickle) of a model holds its codes in RAM; the store itself starts empty."""
+        return {"parent_dir": self.parent_dir}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["parent_dir"])  # type: ignore[misc]
