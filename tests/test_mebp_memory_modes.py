@@ -104,9 +104,12 @@ def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: 
     monkeypatch.setattr(checkpoint_module, "release_free_heap", lambda: calls.append(1))
     base = add_lora(tiny_llama(num_layers=3))
     released = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=True)
-    plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint)
+    plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=False)
     _assert_same_training(released, plain)
     assert len(calls) == 3 * (2 if checkpoint else 1)  # each block's forward, and its recompute
+    with torch.no_grad():
+        released(tokens())
+    assert len(calls) == 3 * (2 if checkpoint else 1)  # not while evaluating
 
 
 def test_release_free_heap_runs_here() -> None:

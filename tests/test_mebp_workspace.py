@@ -29,20 +29,41 @@ def test_dequantize_rejects_a_buffer_of_the_wrong_shape() -> None:
         dequantize(packed, "int4", 32, torch.float32, out=torch.empty(8, 32))
 
 
-def test_workspace_lends_and_reuses_per_shape_and_dtype() -> None:
-    workspace = DecompressionWorkspace(max_free_per_key=1)
+def test_workspace_lends_the_smallest_free_buffer_that_fits() -> None:
+    workspace = DecompressionWorkspace(max_free_per_key=2)
     cpu = torch.device("cpu")
-    a = workspace.borrow((4, 8), torch.float32, cpu)
-    b = workspace.borrow((4, 8), torch.float32, cpu)
-    workspace.give_back(a)
-    workspace.give_back(b)  # over max_free_per_key: dropped
-    assert workspace.free_bytes() == 4 * 8 * 4
-    assert workspace.borrow((4, 8), torch.float32, cpu) is a
-    assert workspace.borrow((4, 8), torch.float64, cpu) is not b
-    assert (workspace.allocations, workspace.reuses) == (3, 1)
+    small, large = workspace.borrow((4, 8), torch.float32, cpu), workspace.borrow((16, 8), torch.float32, cpu)
+    workspace.give_back(small)
+    workspace.give_back(large)
+    assert workspace.free_bytes() == (32 + 128) * 4
+    reused = workspace.borrow((2, 16), torch.float32, cpu)  # 32 elements: the small buffer
+    assert reused.shape == (2, 16) and reused.data_ptr() == small.data_ptr()
+    assert workspace.borrow((8, 8), torch.float32, cpu).data_ptr() == large.data_ptr()
+    assert workspace.borrow((8, 8), torch.float64, cpu).dtype == torch.float64  # another dtype: allocated
+    assert (workspace.allocations, workspace.reuses) == (3, 2)
+    workspace.give_back(reused)
+    workspace.give_back(reused)  # twice: kept once
+    assert workspace.free_bytes() == 32 * 4
     assert copy.deepcopy(workspace).free_bytes() == 0
     with pytest.raises(ValueError, match="`max_free_per_key` must be >= 1, got 0"):
         DecompressionWorkspace(0)
+
+
+def test_workspace_keeps_at_most_max_free_per_key_dropping_the_smallest() -> None:
+    workspace = DecompressionWorkspace(max_free_per_key=1)
+    cpu = torch.device("cpu")
+    small, large = workspace.borrow((4,), torch.float32, cpu), workspace.borrow((16,), torch.float32, cpu)
+    workspace.give_back(large)
+    workspace.give_back(small)
+    assert workspace.free_bytes() == 16 * 4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_with_a_scratch_of_fewer_rows_than_the_weight(fmt: str) -> None:
+    packed = quantize(torch.randn(50, 128, generator=torch.Generator().manual_seed(1)), fmt, 64)
+    out, index = torch.empty(50, 128), torch.empty(7, 64, dtype=torch.int32)
+    assert torch.equal(dequantize(packed, fmt, 64, torch.float32, out=out, index_buffer=index),
+                       dequantize(packed, fmt, 64, torch.float32))
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, retain: bool = False) -> torch.Tensor:

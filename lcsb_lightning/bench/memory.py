@@ -6,8 +6,9 @@ Arms (per random-init shape, LoRA on every block Linear, batch 1, float32 comput
 ``qlora``       peft + ``BitsAndBytesConfig(load_in_4bit)`` nf4 + HF gradient checkpointing (the usual recipe)
 ``mebp``        ``load_compressed`` + ``QuantizedMeBP``, full backprop, chunked LM-head loss
 ``mebp_lcsb``   the same + ``LCSBCallback`` (``fraction`` of the blocks per step, the study's backward mode)
-``mebp_lean``   ``mebp`` with its lower-memory options: ``weights="mmap"``, ``keep_recomputed_weights=False``,
-                ``release_heap=True`` (the same gradients)
+``mebp_lean``   ``mebp`` with its lower-memory options: ``weights="mmap"``, ``keep_recomputed_weights=False``
+                (the same gradients)
+``mebp_no_trim`` ``mebp`` with ``release_heap=False`` (glibc keeps the freed heap pages resident)
 =============== ================================================================================
 
 Each arm reports the whole-process peak RSS, the RSS right after importing the stack (so that
@@ -27,9 +28,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-ARMS = ("qlora", "mebp", "mebp_lcsb", "mebp_lean")
-#: QuantizedMeBP's lower-memory options, as the ``mebp_lean`` arm sets them.
-LEAN_OPTIONS = {"weights": "mmap", "keep_recomputed_weights": False, "release_heap": True}
+ARMS = ("qlora", "mebp", "mebp_lcsb", "mebp_lean", "mebp_no_trim")
+#: QuantizedMeBP options of the arms that change them.
+ARM_OPTIONS: dict[str, dict[str, Any]] = {
+    "mebp_lean": {"weights": "mmap", "keep_recomputed_weights": False},
+    "mebp_no_trim": {"release_heap": False},
+}
 LEAN_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
@@ -92,7 +96,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
 
         # Without a saved folder the random init is built from the shape's config, one tensor at a time.
         source = folder if folder is not None else instantiate(spec["model_config"])
-        options: dict[str, Any] = LEAN_OPTIONS if arm == "mebp_lean" else {}
+        options = ARM_OPTIONS.get(arm, {})
         model = load_compressed(source, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True, **options)
         plugins.append(QuantizedMeBP(fmt=spec["fmt"], group_size=int(spec["group_size"]), **options))
     rank = int(spec["rank"])

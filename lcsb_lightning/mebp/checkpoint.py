@@ -44,8 +44,8 @@ class CheckpointLayer:
             back-propagated block's forward: with checkpointing it receives the block's checkpoint
             inputs, without it every activation the block saves.
         stats: Receives the recompute timings (none recorded without it).
-        release_heap: Return freed heap memory to the OS before the block runs and before its
-            recompute (:mod:`~lcsb_lightning.mebp.heap`).
+        release_heap: On CPU, return freed heap memory to the OS before the block runs with
+            gradients and before its recompute (:mod:`~lcsb_lightning.mebp.heap`).
     """
 
     name = LAYER_NAME
@@ -57,7 +57,7 @@ class CheckpointLayer:
         checkpoint_blocks: bool,
         saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
         stats: MeBPStats | None = None,
-        release_heap: bool = False,
+        release_heap: bool = True,
     ) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
@@ -66,7 +66,7 @@ class CheckpointLayer:
         self.release_heap = release_heap
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.release_heap:
+        if self.release_heap and torch.is_grad_enabled() and _first_device(args, kwargs).type == "cpu":
             release_free_heap()
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
             return inner(*args, **kwargs)
@@ -96,7 +96,7 @@ class _Recompute:
         if self.calls == 1:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
-        if self.release_heap:
+        if self.release_heap and self.device.type == "cpu":
             release_free_heap()
         timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
         with checkpoint_scope(recompute=True), timer:
@@ -108,7 +108,7 @@ def install_block_wrappers(
     checkpoint_blocks: bool,
     saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
     stats: MeBPStats | None = None,
-    release_heap: bool = False,
+    release_heap: bool = True,
 ) -> None:
     """Install a :class:`CheckpointLayer` on each block (reporting recompute times to ``stats``).
 

@@ -99,6 +99,39 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int) -> Packed:
     return Packed(codes, scales)
 
 
+def allocate_packed(shapes: list[tuple[int, int]], group_size: int, device: torch.device | str = "cpu") -> list[Packed]:
+    """Empty :class:`Packed` tensors for weights of ``shapes``, all views of two contiguous buffers.
+
+    One allocation for all codes and one for all scales: the allocator serves them outside its
+    heap (glibc maps allocations this large directly), so the heap holds only the short-lived
+    temporaries of quantizing and training and stays small, instead of growing around hundreds of
+    compressed tensors placed among those temporaries.
+
+    Example::
+
+        >>> first, second = allocate_packed([(4, 64), (2, 32)], group_size=32)
+        >>> first.codes.shape, second.scales.shape
+        (torch.Size([4, 32]), torch.Size([2, 1]))
+        >>> first.codes.untyped_storage().data_ptr() == second.codes.untyped_storage().data_ptr()
+        True
+    """
+    for rows, cols in shapes:
+        if cols % group_size:
+            raise ValueError(f"`group_size={group_size}` does not divide a weight's {cols} columns.")
+    codes = torch.empty(sum(r * c // 2 for r, c in shapes), dtype=torch.uint8, device=device)
+    scales = torch.empty(sum(r * c // group_size for r, c in shapes), dtype=torch.float32, device=device)
+    out: list[Packed] = []
+    code_at = scale_at = 0
+    for rows, cols in shapes:
+        n_codes, n_scales = rows * cols // 2, rows * cols // group_size
+        out.append(Packed(
+            codes[code_at : code_at + n_codes].view(rows, cols // 2),
+            scales[scale_at : scale_at + n_scales].view(rows, cols // group_size),
+        ))
+        code_at, scale_at = code_at + n_codes, scale_at + n_scales
+    return out
+
+
 def quantize_into(weight: torch.Tensor, fmt: str, group_size: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Quantize ``weight`` ``(rows, in)`` into ``codes`` ``(rows, in // 2)`` and ``scales`` ``(rows, in // group_size)``.
 
@@ -145,8 +178,8 @@ def dequantize(
         group_size: Weights per scale.
         dtype: Dtype of the result.
         out: Optional ``(out, in)`` tensor of ``dtype`` to write into (no allocation of the result).
-        index_buffer: For ``int4`` with ``out``: an int32 tensor shaped like the codes, used as
-            scratch (no allocation at all).
+        index_buffer: With ``out``: an int32 scratch tensor of shape ``(r, in // 2)``; the codes are
+            looked up ``r`` rows at a time (no allocation at all).
     """
     codes, scales = packed.codes, packed.scales
     rows, half = codes.shape
@@ -187,12 +220,17 @@ def _dequantize_by_table(
     codes, scales = packed.codes, packed.scales
     rows, cols = out.shape
     pairs = _code_pairs(fmt, codes.device, out.dtype)
-    index = index_buffer.copy_(codes) if index_buffer is not None else codes.to(torch.int32)
     as_int = _PAIR_AS_INT.get(out.element_size())
-    if as_int is not None:
-        torch.index_select(pairs.view(as_int).reshape(-1), 0, index.reshape(-1), out=out.view(as_int).reshape(-1))
-    else:
-        torch.index_select(pairs, 0, index.reshape(-1), out=out.view(-1, 2))
+    step = index_buffer.shape[0] if index_buffer is not None else rows  # the scratch may cover fewer rows
+    for start in range(0, rows, step):
+        part_codes, part_out = codes[start : start + step], out[start : start + step]
+        n = part_codes.shape[0]
+        index = index_buffer[:n].copy_(part_codes) if index_buffer is not None else part_codes.to(torch.int32)
+        if as_int is not None:
+            target = part_out.view(as_int).reshape(-1)
+            torch.index_select(pairs.view(as_int).reshape(-1), 0, index.reshape(-1), out=target)
+        else:
+            torch.index_select(pairs, 0, index.reshape(-1), out=part_out.reshape(-1, 2))
     out.view(rows, cols // group_size, group_size).mul_(scales.to(out.dtype).unsqueeze(-1))
     return out
 

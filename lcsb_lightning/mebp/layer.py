@@ -29,6 +29,8 @@ from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 #: Default largest number of weights decompressed at once (64 MiB in float32).
 MAX_CHUNK_ELEMENTS = 1 << 24
+#: Codes looked up per table lookup while decompressing (bounds the int32 scratch to 1 MiB).
+INDEX_SCRATCH_ELEMENTS = 1 << 18
 
 
 class _CompressedLinearFn(torch.autograd.Function):
@@ -141,7 +143,8 @@ class _CompressedWeight:
             out_rows, half = packed.codes.shape
             device = packed.codes.device
             out = self.workspace.borrow((out_rows, half * 2), dtype, device)
-            index = self.workspace.borrow((out_rows, half), torch.int32, device)
+            index_rows = max(1, min(out_rows, INDEX_SCRATCH_ELEMENTS // half))
+            index = self.workspace.borrow((index_rows, half), torch.int32, device)
             try:
                 return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
             finally:

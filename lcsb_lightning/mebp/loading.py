@@ -22,7 +22,7 @@ from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets, validate_args
-from lcsb_lightning.mebp.formats import Packed, quantize_into
+from lcsb_lightning.mebp.formats import Packed, allocate_packed, quantize_into
 from lcsb_lightning.mebp.heap import release_free_heap
 from lcsb_lightning.mebp.storage import MappedWeights
 from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
@@ -48,18 +48,17 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_size: int) -> Packed:
-    """The compressed tensor, written in place one row chunk at a time (no list of parts to join)."""
+def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_size: int, slot: Packed | None) -> Packed:
+    """The compressed tensor, written in place (into ``slot`` if given) one row chunk at a time."""
     rows, cols = shape
-    if cols % group_size:
-        raise ValueError(f"`group_size={group_size}` does not divide the {cols} columns of `{name}`.")
-    codes = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    scales = torch.empty(rows, cols // group_size, dtype=torch.float32)
+    if slot is None:
+        (slot,) = allocate_packed([(rows, cols)], group_size)
     step = max(1, LOAD_CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        quantize_into(source.rows(name, shape, start, stop), fmt, group_size, codes[start:stop], scales[start:stop])
-    return Packed(codes, scales)
+        part = slot.codes[start:stop], slot.scales[start:stop]
+        quantize_into(source.rows(name, shape, start, stop), fmt, group_size, *part)
+    return slot
 
 
 def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
@@ -107,7 +106,7 @@ def load_compressed(
     seed: int = 0,
     weights: str = "ram",
     keep_recomputed_weights: bool = True,
-    release_heap: bool = False,
+    release_heap: bool = True,
     offload_dir: str | None = None,
 ) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
@@ -157,11 +156,14 @@ def load_compressed(
 
     shared: dict[int, Packed] = {}
     store = MappedWeights(offload_dir) if weights == "mmap" else None
+    unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
+    # In RAM, all codes share one allocation (see allocate_packed); mapped, each goes to its file.
+    slots = dict(zip(unique, allocate_packed(list(unique.values()), group_size))) if store is None else {}
     layers: dict[str, nn.Module] = {}
     for target_name, module in targets.items():
         key = id(module.weight)
         if key not in shared:
-            shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size)
+            shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size, slots.get(key))
             if store is not None:
                 shared[key] = store.map(shared[key])
         if isinstance(module, nn.Linear) and module.bias is not None:

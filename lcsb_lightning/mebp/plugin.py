@@ -54,8 +54,8 @@ class QuantizedMeBP(Precision):
             while their layer runs).
         keep_recomputed_weights: ``False`` decompresses each weight again in backward rather than
             keeping the recompute's copy (lower peak, same gradients, more decompression time).
-        release_heap: Return freed heap memory to the OS before each block runs (glibc; a flat
-            resident set instead of one that grows from step to step, for some step time).
+        release_heap: On CPU, return freed heap memory to the OS before each block runs (glibc; a
+            flat resident set instead of one that grows from step to step, for a few percent of step time).
 
     Example::
 
@@ -76,7 +76,7 @@ class QuantizedMeBP(Precision):
         offload_dir: str | None = None,
         weights: str = "ram",
         keep_recomputed_weights: bool = True,
-        release_heap: bool = False,
+        release_heap: bool = True,
     ) -> None:
         ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
         validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)

@@ -1,12 +1,10 @@
 """Reusable decompression buffers, so that every decompression does not allocate a fresh weight.
 
 A decompressed weight lives for one matmul (forward, backward), or from a block's backward
-recompute to that layer's backward. Allocating it anew each time makes glibc's allocator keep the
-freed buffers resident (its mmap threshold grows with the freed sizes, so later buffers come from
-the heap and fragment it): hundreds of MB of RSS with the allocator's defaults. A
-:class:`DecompressionWorkspace` keeps the free buffers per shape, dtype and device and lends them
-out; the borrower gives a buffer back as soon as nothing will read it again. A buffer that is never
-given back (a dropped graph) is freed by Python as usual, and the workspace allocates a new one.
+recompute to that layer's backward. A :class:`DecompressionWorkspace` keeps the free buffers (flat,
+per dtype and device) and lends them out as views; the borrower gives a buffer back as soon as
+nothing will read it again, so after the first step no decompression allocates. A buffer that is
+never given back (a dropped graph) is freed by Python as usual, and the workspace allocates a new one.
 
 Example::
 
@@ -19,50 +17,65 @@ Example::
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Sequence
 
 import torch
 
-_Key = tuple[tuple[int, ...], torch.dtype, torch.device]
-
-
 class DecompressionWorkspace:
-    """Free buffers per ``(shape, dtype, device)``; at most ``max_free_per_key`` kept per key.
+    """Free flat buffers per dtype and device, lent out as views of the requested shape.
+
+    A request takes the smallest free buffer that is large enough (a ``(896, 896)`` weight may reuse
+    the buffer of a ``(4864, 896)`` one), or allocates one of exactly its size; at most
+    ``max_free_per_key`` free buffers are kept per dtype and device. When layers decompress one at a
+    time (``keep_recomputed_weights=False``), the workspace therefore settles on about one buffer
+    per distinct weight size instead of one per shape.
 
     Args:
-        max_free_per_key: Free buffers kept per shape (a checkpointed block holds one weight per
-            Linear between its recompute and its backward, so a block's Linears of one shape can all
-            be lent at once).
+        max_free_per_key: Free buffers kept per dtype and device (a checkpointed block holds one
+            weight per Linear between its recompute and its backward, so all of a block's Linears
+            can be lent at once).
     """
 
     def __init__(self, max_free_per_key: int = 8) -> None:
         if max_free_per_key < 1:
             raise ValueError(f"`max_free_per_key` must be >= 1, got {max_free_per_key}.")
         self.max_free_per_key = max_free_per_key
-        self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lock = threading.Lock()  # CUDA runs backward on autograd's own threads
         self.allocations = 0
         self.reuses = 0
 
     def borrow(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``; reused when one was given back, allocated otherwise."""
-        key = (tuple(int(s) for s in shape), dtype, torch.device(device))
+        """An uninitialised tensor of ``shape`` (a view of a pooled flat buffer)."""
+        dims = tuple(int(s) for s in shape)
+        numel = math.prod(dims)
+        key = (dtype, torch.device(device))
         with self._lock:
-            free = self._free.get(key)
-            if free:
+            free = self._free.get(key, [])
+            fitting = [i for i, flat in enumerate(free) if flat.numel() >= numel]
+            if fitting:
                 self.reuses += 1
-                return free.pop()
-            self.allocations += 1
-        return torch.empty(key[0], dtype=dtype, device=key[2])
+                flat = free.pop(min(fitting, key=lambda i: free[i].numel()))
+            else:
+                self.allocations += 1
+                flat = None
+        if flat is None:
+            flat = torch.empty(numel, dtype=dtype, device=key[1])
+        return flat[:numel].view(dims)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        """Return a buffer from :meth:`borrow`; the caller must not read or write it afterwards."""
-        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        """Return a tensor from :meth:`borrow`; the caller must not read or write it afterwards."""
+        flat = tensor._base if tensor._base is not None else tensor
+        key = (flat.dtype, flat.device)
         with self._lock:
             free = self._free.setdefault(key, [])
-            if len(free) < self.max_free_per_key:
-                free.append(tensor)
+            if any(f is flat for f in free):
+                return
+            free.append(flat)
+            if len(free) > self.max_free_per_key:  # drop the smallest
+                del free[min(range(len(free)), key=lambda i: free[i].numel())]
 
     def free_bytes(self) -> int:
         """Bytes held in free buffers."""
