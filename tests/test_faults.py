@@ -176,6 +176,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("policy.backward=approx", "policy.backward='approx': allowed: identity, exact, truncated"),
     ("policy.momentum=adam", "policy.momentum='adam': allowed: implicit, skip, reset"),
     ("mebp=int4 mebp.fmt=q4_k", "mebp.fmt='q4_k': allowed: int4, nf4, fp4"),
+    ("mebp=int4 mebp.weights=disk", "mebp.weights='disk': allowed: ram, mmap"),
     ("guard.action=retry", "guard.action='retry': allowed: skip, rollback, stop"),
 ])
 def test_bad_configuration_values_fail_before_anything_runs(tmp_path: Path, override: str, message: str) -> None:

@@ -72,6 +72,22 @@ def test_mmap_weights_are_not_resident_after_their_layer_ran() -> None:
     assert _resident_bytes(codes) == 0
 
 
+def test_mmap_weights_on_a_ram_file_system_are_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.mebp import storage
+
+    monkeypatch.setattr(storage, "filesystem_type", lambda path: "tmpfs")
+    with pytest.warns(UserWarning, match=r"is on a RAM file system: the compressed weights stay in RAM"):
+        state = mebp_state(apply_mebp(tiny_llama(num_layers=2), fmt="int4", group_size=32, weights="mmap"))
+    state.close()
+
+
+@linux_only
+def test_filesystem_type_of_the_root_is_read_from_proc_mounts() -> None:
+    from lcsb_lightning.mebp.storage import filesystem_type
+
+    assert filesystem_type("/proc/self") == "proc"
+
+
 def test_load_compressed_maps_each_tensor_as_it_is_compressed() -> None:
     ram = load_compressed(tiny_config(num_layers=2), fmt="int4", group_size=32)
     mapped = load_compressed(tiny_config(num_layers=2), fmt="int4", group_size=32, weights="mmap")
@@ -101,7 +117,7 @@ def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: 
     from lcsb_lightning.mebp import checkpoint as checkpoint_module
 
     calls: list[int] = []
-    monkeypatch.setattr(checkpoint_module, "release_free_heap", lambda: calls.append(1))
+    monkeypatch.setattr(checkpoint_module, "maybe_release_free_heap", lambda: calls.append(1))
     base = add_lora(tiny_llama(num_layers=3))
     released = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=True)
     plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=False)
@@ -112,11 +128,17 @@ def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: 
     assert len(calls) == 3 * (2 if checkpoint else 1)  # not while evaluating
 
 
-def test_release_free_heap_runs_here() -> None:
-    from lcsb_lightning.mebp.heap import heap_release_supported, release_free_heap
+@linux_only
+def test_the_heap_is_trimmed_only_after_the_resident_set_grew_by_the_threshold() -> None:
+    from lcsb_lightning.mebp import heap
 
-    release_free_heap()  # glibc: returns freed pages; elsewhere a no-op
-    assert heap_release_supported() == sys.platform.startswith("linux")
+    assert heap.heap_release_supported()
+    heap.release_free_heap()
+    assert not heap.maybe_release_free_heap(threshold=1 << 40)
+    grown = torch.ones(32 << 20, dtype=torch.uint8)  # 32 MiB, touched: resident
+    assert heap.maybe_release_free_heap(threshold=16 << 20)
+    assert not heap.maybe_release_free_heap(threshold=16 << 20)  # nothing grew since
+    del grown
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,27 @@ def test_workspace_keeps_at_most_max_free_per_key_dropping_the_smallest() -> Non
     assert workspace.free_bytes() == 16 * 4
 
 
+def test_a_foreign_tensor_given_back_is_ignored_and_an_alias_returns_its_buffer() -> None:
+    """Autograd may hand back a detached alias of a lent weight, and the mmap offload a copy loaded
+    from disk (seen in a recipe run: a 2-D foreign tensor was pooled and broke the next borrow)."""
+    workspace = DecompressionWorkspace()
+    cpu = torch.device("cpu")
+    workspace.give_back(torch.empty(64, 64))  # not lent by this workspace
+    assert workspace.free_bytes() == 0
+    lent = workspace.borrow((32, 64), torch.float32, cpu)
+    workspace.give_back(lent.detach())
+    assert workspace.free_bytes() == 32 * 64 * 4
+    again = workspace.borrow((16, 8), torch.float32, cpu)
+    assert again.shape == (16, 8) and again.data_ptr() == lent.data_ptr()
+
+
+def test_a_buffer_never_given_back_is_freed_with_its_borrower() -> None:
+    workspace = DecompressionWorkspace()
+    lent = workspace.borrow((8, 8), torch.float32, torch.device("cpu"))
+    del lent  # a dropped graph
+    assert len(workspace._lent) == 0 and workspace.free_bytes() == 0
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_with_a_scratch_of_fewer_rows_than_the_weight(fmt: str) -> None:
     packed = quantize(torch.randn(50, 128, generator=torch.Generator().manual_seed(1)), fmt, 64)

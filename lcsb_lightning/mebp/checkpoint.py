@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_layer, install_layer, remove_layer
-from lcsb_lightning.mebp.heap import release_free_heap
+from lcsb_lightning.mebp.heap import maybe_release_free_heap
 from lcsb_lightning.mebp.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
 
@@ -67,7 +67,7 @@ class CheckpointLayer:
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.release_heap and torch.is_grad_enabled() and _first_device(args, kwargs).type == "cpu":
-            release_free_heap()
+            maybe_release_free_heap()
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
             return inner(*args, **kwargs)
         context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()
@@ -97,7 +97,7 @@ class _Recompute:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
         if self.release_heap and self.device.type == "cpu":
-            release_free_heap()
+            maybe_release_free_heap()
         timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
         with checkpoint_scope(recompute=True), timer:
             return self.inner(*args, **kwargs)

@@ -9,7 +9,8 @@ cache (or on disk, under memory pressure) and the next use maps them back. The p
 set then holds the compressed weights of the layers running now, not of the whole model.
 
 Linux and macOS only (``madvise``); CPU tensors only (a model moved to CUDA holds its codes in GPU
-memory as usual).
+memory as usual). The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``)
+the bytes stay in RAM, outside the process's RSS, and a warning says so.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 import weakref
 from typing import Any
 
@@ -45,6 +47,22 @@ def _libc_madvise() -> Any:
 
 
 _MADVISE = _libc_madvise()
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the file system holding ``path`` (from ``/proc/mounts``; None where unknown)."""
+    try:
+        with open("/proc/mounts") as handle:
+            mounts = [line.split()[1:3] for line in handle if len(line.split()) >= 3]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best: tuple[int, str | None] = (-1, None)
+    for mount_point, fs_type in mounts:
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) > best[0]:
+            best = (len(mount_point), fs_type)
+    return best[1]
 
 
 def mmap_supported() -> bool:
@@ -73,6 +91,14 @@ class MappedWeights:
             raise OSError(f"`weights='mmap'` needs madvise (Linux or macOS); this is {sys.platform}. Use weights='ram'.")
         self.parent_dir = parent_dir
         self.path = tempfile.mkdtemp(prefix="lcsb_mebp_weights_", dir=parent_dir)
+        if filesystem_type(self.path) in ("tmpfs", "ramfs"):
+            warnings.warn(
+                f"QuantizedMeBP's weights='mmap' directory {self.path} is on a RAM file system: the compressed "
+                "weights stay in RAM (as shared memory, outside the process's RSS); set offload_dir to a "
+                "directory on a disk.",
+                UserWarning,
+                stacklevel=3,
+            )
         self._counter = itertools.count()
         self.bytes_mapped = 0
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Sequence
 
 import torch
@@ -43,6 +44,10 @@ class DecompressionWorkspace:
             raise ValueError(f"`max_free_per_key` must be >= 1, got {max_free_per_key}.")
         self.max_free_per_key = max_free_per_key
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        # Lent buffers by storage address, held weakly: one whose borrower dropped it (a dropped
+        # graph) is freed as usual. Aliases the borrower hands back (a view, autograd's unpacked
+        # copy of the handle) share the address; anything else is not ours and is ignored.
+        self._lent: weakref.WeakValueDictionary[tuple[int, torch.device], torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # CUDA runs backward on autograd's own threads
         self.allocations = 0
         self.reuses = 0
@@ -63,16 +68,19 @@ class DecompressionWorkspace:
                 flat = None
         if flat is None:
             flat = torch.empty(numel, dtype=dtype, device=key[1])
+        with self._lock:
+            self._lent[(flat.untyped_storage().data_ptr(), flat.device)] = flat
         return flat[:numel].view(dims)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        """Return a tensor from :meth:`borrow`; the caller must not read or write it afterwards."""
-        flat = tensor._base if tensor._base is not None else tensor
-        key = (flat.dtype, flat.device)
+        """Return a tensor from :meth:`borrow` (or any alias of it: a view, a detached copy of the
+        handle); the caller must not read or write it afterwards. Other tensors are ignored."""
+        lent_key = (tensor.untyped_storage().data_ptr(), tensor.device)
         with self._lock:
-            free = self._free.setdefault(key, [])
-            if any(f is flat for f in free):
+            flat = self._lent.pop(lent_key, None)
+            if flat is None:  # not lent by this workspace, or already given back
                 return
+            free = self._free.setdefault((flat.dtype, flat.device), [])
             free.append(flat)
             if len(free) > self.max_free_per_key:  # drop the smallest
                 del free[min(range(len(free)), key=lambda i: free[i].numel())]
@@ -83,9 +91,10 @@ class DecompressionWorkspace:
             return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
 
     def clear(self) -> None:
-        """Drop every free buffer (their memory goes back to the allocator)."""
+        """Drop every free buffer (their memory goes back to the allocator) and forget lent ones."""
         with self._lock:
             self._free.clear()
+            self._lent.clear()
 
     def __getstate__(self) -> dict[str, int]:
         """Copies (deepcopy, pickle) start with an empty pool of their own."""

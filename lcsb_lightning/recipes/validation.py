@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from lcsb_lightning.controller import BACKWARD_MODES, MOMENTUM_MODES
 from lcsb_lightning.guard import ACTIONS
+from lcsb_lightning.mebp.convert import WEIGHT_STORAGE
 from lcsb_lightning.mebp.formats import FORMATS
 from lcsb_lightning.policies import available_policies
 
@@ -57,6 +58,8 @@ def _problems(cfg: DictConfig) -> list[str]:
     mebp = cfg.get("mebp")
     if mebp is not None and "_target_" in mebp:
         need(mebp.get("fmt") in FORMATS, f"mebp.fmt={mebp.get('fmt')!r}: allowed: {', '.join(FORMATS)}")
+        weights = mebp.get("weights", "ram")
+        need(weights in WEIGHT_STORAGE, f"mebp.weights={weights!r}: allowed: {', '.join(WEIGHT_STORAGE)}")
     guard = cfg.get("guard")
     if guard is not None and "_target_" in guard:
         need(guard.get("action") in ACTIONS, f"guard.action={guard.get('action')!r}: allowed: {', '.join(ACTIONS)}")

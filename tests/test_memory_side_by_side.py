@@ -1,0 +1,43 @@
+"""benchmarks/memory_side_by_side.py: arms parsed and checked, a tiny round run end to end (seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_side_by_side.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("memory_side_by_side", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("nolabel", "expected LABEL=ARM"),
+    ("x=mebp_fast", "expected LABEL=ARM"),
+    ("x=mebp@/nonexistent", "holds no lcsb_lightning package"),
+])
+def test_bad_arms_are_refused(text: str, match: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+        load_script().parse_arm(text)
+
+
+def test_labels_may_contain_equals_signs_and_a_checkout_defaults_to_this_one() -> None:
+    label, arm, checkout = load_script().parse_arm("release_heap=False=mebp_no_trim")
+    assert (label, arm, Path(checkout)) == ("release_heap=False", "mebp_no_trim", SCRIPT.parents[1])
+
+
+def test_a_tiny_round_prints_the_side_by_side_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    load_script().main(["--shape", "tiny", "--rounds", "1", "--steps", "1", "--out", str(tmp_path),
+                        "defaults=mebp", "lean=mebp_lean"])
+    out = capsys.readouterr().out
+    assert "| defaults |" in out and "| lean |" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["label"] for r in rows] == ["defaults", "lean"] and all(r["peak_rss_mb"] > 0 for r in rows)
