@@ -60,11 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("outputs/memory_side_by_side"))
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    start_dir = os.getcwd()
     rows: list[dict[str, Any]] = []
     for round_index in range(args.rounds):
         for index, (label, arm, checkout) in enumerate(args.arms):
-            os.environ["PYTHONPATH"] = checkout  # the child process imports this checkout
+            # The child imports this checkout: first on its path, and its working directory (``python -m``
+            # puts the working directory before PYTHONPATH).
+            os.environ["PYTHONPATH"] = checkout
+            os.chdir(checkout)
             spec = {"arm": arm, "model_config": SHAPES[args.shape], "folder": None, "fmt": "nf4", "group_size": 64,
                     "fraction": 0.25, "backward": "truncated", "seq_len": 256, "rank": 8, "warmup": args.warmup,
                     "steps": args.steps, "malloc": "default"}
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {round_index} | {label} | peak {figures['peak_rss_mb']:.0f} MiB | model+training "
                   f"{figures['model_and_training_mb']:.0f} MiB | after load {figures['rss_after_load_mb']:.0f} MiB | "
                   f"{figures['step_s']:.2f} s/step | load average {load:.2f}", flush=True)
+    os.chdir(start_dir)
     (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{args.shape}, nf4/64, LoRA r8, seq 256, {args.warmup} warm-up + {args.steps} steps, one process per arm\n")
     print("| arm | peak RSS (MiB) per round | model and training (MiB) | RSS after loading (MiB) | s/step per round |")

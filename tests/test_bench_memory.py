@@ -20,7 +20,8 @@ def spec(arm: str, folder: Path | None) -> dict:
             "steps": 1, "malloc": "default"}
 
 
-@pytest.mark.parametrize("arm", ["mebp", "mebp_lcsb", "mebp_lean", "mebp_no_trim"])
+@pytest.mark.parametrize("arm", ["mebp", "mebp_lean", pytest.param("mebp_lcsb", marks=pytest.mark.slow),
+                                 pytest.param("mebp_no_trim", marks=pytest.mark.slow)])
 def test_mebp_arms_build_the_random_init_from_the_shape_config(tmp_path: Path, arm: str) -> None:
     figures = memory.measure(spec(arm, None), tmp_path / "memory.json", timeout=600)
     assert figures["arm"] == arm

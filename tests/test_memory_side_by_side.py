@@ -41,3 +41,21 @@ def test_a_tiny_round_prints_the_side_by_side_table(tmp_path: Path, capsys: pyte
     assert "| defaults |" in out and "| lean |" in out
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["label"] for r in rows] == ["defaults", "lean"] and all(r["peak_rss_mb"] > 0 for r in rows)
+
+
+def test_each_arm_imports_its_own_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m`` puts the working directory first on the path: the child must run in the checkout."""
+    module = load_script()
+    other = tmp_path / "other"
+    (other / "lcsb_lightning").mkdir(parents=True)
+    seen: list[tuple[str, str]] = []
+
+    def fake_measure(spec: dict, out_json: Path, timeout: float | None = None) -> dict:
+        import os
+
+        seen.append((os.getcwd(), os.environ["PYTHONPATH"]))
+        return {"peak_rss_mb": 1.0, "model_and_training_mb": 1.0, "rss_after_load_mb": 1.0, "step_s": 1.0}
+
+    monkeypatch.setattr(module.memory, "measure", fake_measure)
+    module.main(["--shape", "tiny", "--rounds", "1", "--out", str(tmp_path / "out"), f"old=mebp@{other}", "new=mebp"])
+    assert seen == [(str(other.resolve()), str(other.resolve())), (str(SCRIPT.parents[1]), str(SCRIPT.parents[1]))]
