@@ -11,14 +11,7 @@ from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
 from lcsb_lightning.mebp.checkpoint import install_block_wrappers
-from lcsb_lightning.mebp.formats import (
-    QUANTIZE_CHUNK_ELEMENTS,
-    Packed,
-    allocate_packed,
-    quantize,
-    quantize_into,
-    validate_format,
-)
+from lcsb_lightning.mebp.formats import Packed, allocate_packed, quantize, validate_format
 from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.offload import MmapOffload
 from lcsb_lightning.mebp.stats import MeBPStats
@@ -205,16 +198,14 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, group_size: int) -> dict[str, nn.Module]:
     """Replace each target by its compressed twin; tied weights share one compressed copy."""
     unique = {id(m.weight): m.weight for m in targets.values()}
-    shared: dict[int, Packed] = {}
-    if all(w.device.type == "cpu" for w in unique.values()):  # one buffer for all codes, one for all scales
-        for (key, weight), slot in zip(unique.items(), allocate_packed([tuple(w.shape) for w in unique.values()], group_size)):
-            step = max(1, QUANTIZE_CHUNK_ELEMENTS // weight.shape[1])
-            for start in range(0, weight.shape[0], step):
-                rows = slice(start, start + step)
-                quantize_into(weight[rows], fmt, group_size, slot.codes[rows], slot.scales[rows])
-            shared[key] = slot
-    else:  # bitsandbytes' kernels on each weight's own device
-        shared = {key: quantize(weight, fmt, group_size) for key, weight in unique.items()}
+    devices = {w.device for w in unique.values()}
+    # One buffer for all codes and one for all scales (see allocate_packed), on the weights' device.
+    shapes = [tuple(w.shape) for w in unique.values()]
+    slots = allocate_packed(shapes, group_size, devices.pop()) if len(devices) == 1 else None
+    shared = {
+        key: quantize(weight, fmt, group_size, out=slots[i] if slots is not None else None)
+        for i, (key, weight) in enumerate(unique.items())
+    }
     done: dict[str, nn.Module] = {}
     for name, module in targets.items():
         key = id(module.weight)

@@ -65,8 +65,10 @@ class Packed:
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
 
-def quantize(weight: torch.Tensor, fmt: str, group_size: int) -> Packed:
+def quantize(weight: torch.Tensor, fmt: str, group_size: int, out: Packed | None = None) -> Packed:
     """Compress a 2-D weight ``(out, in)``; ``in`` must be divisible by ``group_size``.
+
+    With ``out`` (e.g. a slot from :func:`allocate_packed`) the codes and scales are written into it.
 
     ``nf4``/``fp4`` use bitsandbytes' kernel on CUDA and, elsewhere, the same rounding in plain torch
     (bit-identical to bitsandbytes' CPU kernel, whose scratch memory stays resident across calls).
@@ -86,17 +88,19 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int) -> Packed:
     rows, cols = weight.shape
     if cols % group_size:
         raise ValueError(f"`group_size={group_size}` does not divide the weight's {cols} columns.")
+    if out is None:
+        (out,) = allocate_packed([(rows, cols)], group_size, weight.device)
     if fmt != "int4" and weight.device.type == "cuda":
         bnbf = _bnb_functional(fmt)
         codes, state = bnbf.quantize_4bit(weight.detach().float().contiguous(), blocksize=group_size, quant_type=fmt)
-        return Packed(codes.reshape(rows, cols // 2), state.absmax.float().reshape(rows, cols // group_size))
-    codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
-    scales = torch.empty(rows, cols // group_size, dtype=torch.float32, device=weight.device)
+        out.codes.copy_(codes.reshape(rows, cols // 2))
+        out.scales.copy_(state.absmax.float().reshape(rows, cols // group_size))
+        return out
     step = max(1, QUANTIZE_CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        quantize_into(weight[start:stop], fmt, group_size, codes[start:stop], scales[start:stop])
-    return Packed(codes, scales)
+        quantize_into(weight[start:stop], fmt, group_size, out.codes[start:stop], out.scales[start:stop])
+    return out
 
 
 def allocate_packed(shapes: list[tuple[int, int]], group_size: int, device: torch.device | str = "cpu") -> list[Packed]:

@@ -6,8 +6,9 @@ gradient. Inside a checkpointed block the recompute decompresses once and that c
 layer's backward (unless ``keep_recomputed_weight`` is False: then the backward decompresses again,
 so that only one layer's float weight exists at a time), so a back-propagated block costs one
 backward decompression per layer and a block skipped by LCSB costs none. Decompressed weights go
-into buffers of the model's :class:`~lcsb_lightning.mebp.workspace.DecompressionWorkspace`. Layers wider than ``max_chunk_elements`` are processed in row chunks so that
-a 150k-row LM head never exists decompressed in full.
+into buffers of the model's :class:`~lcsb_lightning.mebp.workspace.DecompressionWorkspace`. Layers
+wider than ``max_chunk_elements`` are processed in row chunks so that a 150k-row LM head never
+exists decompressed in full.
 
 The compressed buffers are not part of ``state_dict()``: they are re-derived from the source
 weights, so Lightning checkpoints hold only the trainable (LoRA) and other float tensors.
