@@ -66,7 +66,8 @@ class CheckpointLayer:
         self.release_heap = release_heap
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.release_heap and torch.is_grad_enabled() and _first_device(args, kwargs).type == "cpu":
+        device = _first_device(args, kwargs)
+        if self.release_heap and torch.is_grad_enabled() and device.type == "cpu":
             maybe_release_free_heap()
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
             return inner(*args, **kwargs)
@@ -80,7 +81,7 @@ class CheckpointLayer:
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         with context:
-            recompute = _Recompute(inner, _first_device(args, kwargs), self.stats, self.release_heap)
+            recompute = _Recompute(inner, device, self.stats, self.release_heap)
             return checkpoint(recompute, *args, use_reentrant=False, **kwargs)
 
 

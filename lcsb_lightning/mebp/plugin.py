@@ -91,7 +91,7 @@ class QuantizedMeBP(Precision):
         self.ignore_modules = ignore_modules
         self.offload_dir = offload_dir
         self._module: nn.Module | None = None
-        self._detached_stats: MeBPStats | None = None
+        self._stats = MeBPStats()
         self.last_metrics: dict[str, float] = {}
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -112,18 +112,16 @@ class QuantizedMeBP(Precision):
             )
         _skip_ddp_buffer_sync(module)
         self._module = module
-        self.stats.reset()
+        state = mebp_state(module)
+        assert state is not None
+        self._stats = state.stats  # looked up once: mebp_state may walk every module
+        self._stats.reset()
         return module
 
     @property
     def stats(self) -> MeBPStats:
         """The timers of the converted model (a fresh, unattached one before ``convert_module``)."""
-        state = mebp_state(self._module) if self._module is not None else None
-        if state is None:
-            if self._detached_stats is None:
-                self._detached_stats = MeBPStats()
-            return self._detached_stats
-        return state.stats
+        return self._stats
 
     @property
     def offload_path(self) -> str | None:
