@@ -9,7 +9,9 @@ cache (or on disk, under memory pressure) and the next use maps them back. The p
 set then holds the compressed weights of the layers running now, not of the whole model.
 
 Linux and macOS only (``madvise``); CPU tensors only (a model moved to CUDA holds its codes in GPU
-memory as usual). The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``)
+memory as usual). A store releases only the mappings it made: a copy of the model (``copy.deepcopy``,
+pickle: EMA, SWA) holds its codes as ordinary heap tensors, which it keeps resident, and a tensor
+that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages would zero them. The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``)
 the bytes stay in RAM, outside the process's RSS, and a warning says so.
 """
 
@@ -19,7 +21,6 @@ import atexit
 import ctypes
 import ctypes.util
 import itertools
-import mmap
 import os
 import shutil
 import sys
@@ -101,6 +102,9 @@ class MappedWeights:
             )
         self._counter = itertools.count()
         self.bytes_mapped = 0
+        # Each mapping this store made, by start address. Holding the storages keeps the mappings
+        # alive, so no other allocation can reuse an address found here.
+        self._mappings: dict[int, torch.UntypedStorage] = {}
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
         atexit.register(self._finalizer)
 
@@ -112,6 +116,8 @@ class MappedWeights:
         mapped = torch.from_file(path, shared=True, size=data.numel(), dtype=data.dtype).reshape(data.shape)
         os.unlink(path)  # the mapping keeps the file's pages; nothing is left on disk after exit
         self.bytes_mapped += data.numel() * data.element_size()
+        storage = mapped.untyped_storage()
+        self._mappings[storage.data_ptr()] = storage
         self.release(mapped)
         return mapped
 
@@ -119,14 +125,22 @@ class MappedWeights:
         """A copy of ``packed`` whose codes and scales live in memory-mapped files."""
         return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales))
 
-    @staticmethod
-    def release(tensor: torch.Tensor) -> None:
-        """Drop the resident pages of a mapped tensor (its values stay; the next read maps them back)."""
-        nbytes = tensor.untyped_storage().nbytes()
-        start = tensor.untyped_storage().data_ptr()
-        aligned = start - start % mmap.PAGESIZE
-        if nbytes and _MADVISE is not None:
-            _MADVISE(aligned, start + nbytes - aligned, _MADV_DONTNEED)
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or the tensor it is a view of) is one of this store's mappings."""
+        if tensor.device.type != "cpu":
+            return False
+        return tensor.untyped_storage().data_ptr() in self._mappings
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop the resident pages of a mapped tensor (its values stay; the next read maps them back).
+
+        A no-op for a tensor this store did not map (a copy's heap codes, a tensor moved to another
+        device): ``MADV_DONTNEED`` would zero its pages and those of its neighbours.
+        """
+        if _MADVISE is None or not self.owns(tensor):
+            return
+        storage = tensor.untyped_storage()
+        _MADVISE(storage.data_ptr(), storage.nbytes(), _MADV_DONTNEED)  # a whole mapping: page-aligned
 
     def close(self) -> None:
         """Remove the (empty) temporary directory; the mappings stay valid until their tensors are freed."""
@@ -134,7 +148,8 @@ class MappedWeights:
         atexit.unregister(self._finalizer)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (deepcopy, pickle) of a model holds its codes in RAM; the store itself starts empty."""
+        """A copy (deepcopy, pickle) of a model holds its codes in RAM; the store itself starts empty,
+        owning no mapping, so it never releases the copy's heap codes."""
         return {"parent_dir": self.parent_dir}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
