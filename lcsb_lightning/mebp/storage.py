@@ -11,8 +11,10 @@ set then holds the compressed weights of the layers running now, not of the whol
 Linux and macOS only (``madvise``); CPU tensors only (a model moved to CUDA holds its codes in GPU
 memory as usual). A store releases only the mappings it made: a copy of the model (``copy.deepcopy``,
 pickle: EMA, SWA) holds its codes as ordinary heap tensors, which it keeps resident, and a tensor
-that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages would zero them. The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``)
-the bytes stay in RAM, outside the process's RSS, and a warning says so.
+that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages would zero them.
+
+The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``) the bytes stay in
+RAM, outside the process's RSS, and a warning says so.
 """
 
 from __future__ import annotations
