@@ -191,8 +191,9 @@ class LCSBCallback(Callback):
         outside = self.controller.block_params.outside
         if outside:
             rank_zero_info(
-                f"LCSB leaves {len(outside)} trainable parameters outside the blocks always trained "
-                f"(e.g. {', '.join(outside[:3])})."
+                f"LCSB: {len(outside)} trainable parameters lie outside the blocks (e.g. {', '.join(outside[:3])}): "
+                "those below the first block (an input embedding) train on the steps whose backward reaches "
+                "them, those above it (the head, the final norm) at every step."
             )
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "

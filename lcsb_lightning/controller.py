@@ -116,9 +116,11 @@ class LCSBController:
         chosen = set(self.selection)
         in_optimizer = self._param_ids(optimizer)
         # Identity-path blocks already hold exact zeros; "exact" ones a gradient passed through them
-        # may have computed, which is not theirs to use this step.
+        # may have computed, which is not theirs to use this step. The last list: trainable tensors below
+        # the first block (an embedding), which train on the steps whose backward reaches them.
         known_zero = self.backward == "identity"
-        for index, params in enumerate(self.block_params.params_per_block):
+        below = self.selective.params_below if self.selective is not None and not self.selective.reaches_below else []
+        for index, params in enumerate([*self.block_params.params_per_block, below]):
             if index in chosen:
                 continue
             for p in params:

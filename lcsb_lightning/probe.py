@@ -54,7 +54,7 @@ def probe_gradients(
     result = ProbeResult(step)
     if not chosen:
         return result
-    modes = [layer.mode for layer in selective.layers] if selective is not None else []
+    previous = selective.selected if selective is not None else None
     if selective is not None:
         selective.clear()
     try:
@@ -63,9 +63,8 @@ def probe_gradients(
             flat_params = [p for i in chosen for p in params_per_block[i]]
             exact = torch.autograd.grad(loss, flat_params, allow_unused=True)
     finally:
-        if selective is not None:
-            for layer, mode in zip(selective.layers, modes):
-                layer.mode = mode
+        if selective is not None and previous is not None:
+            selective.set_selection(previous)
     offset = 0
     for i in chosen:
         params = params_per_block[i]

@@ -14,14 +14,22 @@ in one of three modes:
 ========== ===================================================================================
 ``train``  selected: the block runs as usual
 ``skip``   the paper's identity path: always cut (approximate gradients for the blocks below)
-``pass``   exact gradients: the block runs as usual when a gradient has to pass through it (a
-           selected block or a trainable parameter lies below), and is cut otherwise, which
-           changes no gradient
+``pass``   exact gradients: the block runs as usual when it lies above the lowest selected
+           block (the gradient has to pass through it), and is cut below it
 ========== ===================================================================================
+
+Below the lowest selected block nothing needs a gradient this step, whatever sits there: a
+trainable input embedding (or soft prompt, or the full model's lower weights) trains on the steps
+whose backward reaches it, like a block, and receives an exact zero gradient on the others; an input
+that requires grad with no trainable parameter below it (``enable_input_require_grads``, which
+peft's ``prepare_model_for_kbit_training`` and Hugging Face gradient checkpointing call) gets no
+gradient at all. Where the lowest selected block runs under a *reentrant* activation checkpoint,
+which back-propagates only into inputs that require grad, the cut hands it a fresh leaf that does.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
@@ -95,15 +103,42 @@ def identity_path_output(hidden_in: torch.Tensor, output: Any, params: Sequence[
 
 
 class _Sinks:
-    """Trainable parameters of cut blocks below any gradient path, waiting for one to carry their zeros.
+    """What the cut blocks of one forward pass share: the tensors waiting for a gradient path to carry
+    their exact zeros, and where the exact backward stops.
 
-    A cut block whose input needs no gradient returns a tensor that needs none either, so the blocks
-    above it (the lowest selected one first) compute no input gradient they do not need. Its
-    parameters' zero gradients ride instead on the first output above that does carry a gradient.
+    A block cut below the selection returns a tensor that needs no gradient, so the blocks above it
+    (the lowest selected one first) compute no input gradient they do not need. The zero gradients of
+    its parameters, and of whatever trainable graph lies below it (a trainable embedding), ride
+    instead on the first output above that does carry a gradient.
+
+    Attributes:
+        pending: Tensors whose zero gradients wait for the next output that requires grad.
+        lowest: Index of the lowest block the exact backward reaches (``pass`` blocks below it are cut).
+        leaf_for_reentrant: Whether the block just below ``lowest`` must return a leaf that requires grad
+            (the lowest selected block runs under a reentrant checkpoint).
+        below: Trainable parameters found below the blocks by the first cut that saw them (their
+            gradients are exact zeros on the steps whose backward does not reach them).
     """
 
     def __init__(self) -> None:
         self.pending: list[torch.Tensor] = []
+        self.lowest = 0
+        self.leaf_for_reentrant = False
+        self.below: list[torch.Tensor] | None = None
+        self.uncut_reported = False
+
+    def warn_uncut(self, index: int) -> None:
+        if self.uncut_reported:
+            return
+        self.uncut_reported = True
+        warnings.warn(
+            f"LCSB cannot cut block {index} (nor any block run the same way): it runs under a reentrant "
+            "activation checkpoint applied outside it, whose forward has gradients disabled, so its backward "
+            "runs whatever the selection and selective backprop saves nothing there. Use "
+            "`use_reentrant=False`, or Hugging Face's `activation_checkpointing_enable()` (LCSB cuts its "
+            "blocks before they reach the checkpoint).",
+            stacklevel=2,
+        )
 
     def flush_into(self, output: Any) -> Any:
         if not self.pending:
@@ -122,31 +157,46 @@ class SelectiveLayer:
     name = LAYER_NAME
     persistent = False  # owned by one fit: copies and pickles of the model leave it out
 
-    def __init__(self, params: Sequence[nn.Parameter] = (), sinks: _Sinks | None = None, first: bool = False) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter] = (), sinks: _Sinks | None = None, first: bool = False, index: int = 0
+    ) -> None:
         self.params = list(params)
         self.sinks = sinks if sinks is not None else _Sinks()
         self.first = first
+        self.index = index
         self.mode = "train"
 
-    def cuts(self, hidden_in: torch.Tensor) -> bool:
-        """Whether this call is cut (``no_grad`` forward + identity path) rather than run with a graph."""
+    def cuts(self, hidden_in: torch.Tensor | None = None) -> bool:
+        """Whether this call is cut (``no_grad`` forward, no backward) rather than run with a graph."""
         if self.mode == "train" or not torch.is_grad_enabled():
             return False
-        return self.mode == "skip" or not hidden_in.requires_grad
+        return self.mode == "skip" or self.index < self.sinks.lowest
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
+        if self.cuts() and _in_backward():
+            # A reentrant checkpoint applied outside this layer ran the forward without gradients, so
+            # nothing was cut, and now recomputes it in backward: it must run as it did.
+            self.sinks.warn_uncut(self.index)
+            return inner(*args, **kwargs)
         if self.first:  # a new forward pass: nothing is pending from an earlier one
             self.sinks.pending = []
-        if self.mode == "train":
+        if not self.cuts():
             return self.sinks.flush_into(inner(*args, **kwargs))
         hidden_in = _hidden_input(args, kwargs)
-        if not self.cuts(hidden_in):
-            return self.sinks.flush_into(inner(*args, **kwargs))
         with torch.no_grad():
             output = inner(*args, **kwargs)
         trainable = [p for p in self.params if p.requires_grad]
+        if self.mode == "pass":  # below the exact backward: nothing here or underneath needs a gradient
+            if hidden_in.grad_fn is not None:  # a trainable graph below (an embedding): exact zeros for it
+                self.sinks.pending.append(hidden_in)
+                if self.sinks.below is None:
+                    self.sinks.below = _trainable_leaves(hidden_in)
+            self.sinks.pending.extend(trainable)
+            if self.sinks.leaf_for_reentrant and self.index == self.sinks.lowest - 1:
+                return _replace_hidden(output, lambda hidden: hidden.requires_grad_())
+            return output
         if not hidden_in.requires_grad:
             self.sinks.pending.extend(trainable)
             return output
@@ -154,15 +204,43 @@ class SelectiveLayer:
         return identity_path_output(hidden_in, output, [*pending, *trainable])
 
     def __repr__(self) -> str:
-        return f"SelectiveLayer(mode={self.mode!r}, params={len(self.params)})"
+        return f"SelectiveLayer(mode={self.mode!r}, index={self.index}, params={len(self.params)})"
+
+
+def _in_backward() -> bool:
+    """Whether the caller runs inside autograd's backward (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _trainable_leaves(tensor: torch.Tensor, limit: int = 10_000) -> list[torch.Tensor]:
+    """The parameters that ``tensor``'s autograd graph accumulates gradients into, in discovery order; gives up after ``limit`` graph nodes (a graph that large is no embedding)."""
+    found: dict[int, torch.Tensor] = {}
+    stack, seen = [tensor.grad_fn], set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, nn.Parameter):
+            found.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def _uses_reentrant_checkpoint(block: nn.Module) -> bool:
+    """Whether ``block`` is a Hugging Face layer whose forward runs under a reentrant checkpoint."""
+    if not getattr(block, "gradient_checkpointing", False) or not block.training:
+        return False
+    function = getattr(block, "_gradient_checkpointing_func", None)
+    keywords = getattr(function, "keywords", None) or {}
+    return bool(keywords.get("use_reentrant", False))
 
 
 def cuts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether LCSB cuts this call of ``block`` (False where LCSB is not installed)."""
     layer = get_layer(block, LAYER_NAME)
-    if not isinstance(layer, SelectiveLayer) or layer.mode == "train" or not torch.is_grad_enabled():
-        return False
-    return layer.cuts(_hidden_input(args, kwargs))
+    return isinstance(layer, SelectiveLayer) and layer.cuts()
 
 
 def is_skipped(block: nn.Module) -> bool:
@@ -211,12 +289,13 @@ class SelectiveBackprop:
         if len(params) != len(self.blocks):
             raise ValueError(f"{len(params)} parameter lists for {len(self.blocks)} blocks.")
         self.backward = backward
+        self.selected: tuple[int, ...] | None = None  # None: every block trains
         self.layers: list[SelectiveLayer] = []
         self._stacks: list[ForwardStack] = []
-        sinks = _Sinks()
+        self.sinks = _Sinks()
         try:
             for index, (block, block_params) in enumerate(zip(self.blocks, params)):
-                layer = SelectiveLayer(block_params, sinks, first=index == 0)
+                layer = SelectiveLayer(block_params, self.sinks, first=index == 0, index=index)
                 self._stacks.append(install_layer(block, layer))
                 self.layers.append(layer)
         except BaseException:
@@ -226,14 +305,30 @@ class SelectiveBackprop:
     def set_selection(self, selected: Iterable[int]) -> None:
         """Back-propagate through the ``selected`` block indices; the others follow ``backward``."""
         chosen = set(selected)
+        self.selected = tuple(sorted(chosen))
         other = "skip" if self.backward == "identity" else "pass"
         for index, layer in enumerate(self.layers):
             layer.mode = "train" if index in chosen else other
+        self.sinks.lowest = min(chosen, default=len(self.layers)) if other == "pass" else 0
+        lowest = self.sinks.lowest
+        self.sinks.leaf_for_reentrant = 0 < lowest < len(self.blocks) and _uses_reentrant_checkpoint(self.blocks[lowest])
+
+    @property
+    def reaches_below(self) -> bool:
+        """Whether this step's backward reaches what lies below the first block (a trainable embedding)."""
+        return self.sinks.lowest == 0
+
+    @property
+    def params_below(self) -> list[torch.Tensor]:
+        """Trainable tensors found below the first block (empty until a step cut above them)."""
+        return list(self.sinks.below or [])
 
     def clear(self) -> None:
         """Back-propagate through every block (as if nothing were installed)."""
         for layer in self.layers:
             layer.mode = "train"
+        self.selected = None
+        self.sinks.lowest, self.sinks.leaf_for_reentrant = 0, False
 
     def remove(self) -> None:
         """Remove the layers; each block's forward is exactly what it was before (idempotent)."""
