@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable, Generator, Iterable
 
 import torch
@@ -56,6 +55,9 @@ class QuantizedMeBP(Precision):
             keeping the recompute's copy (lower peak, same gradients, more decompression time).
         release_heap: On CPU, return freed heap memory to the OS before each block runs (glibc; a
             flat resident set instead of one that grows from step to step, for a few percent of step time).
+        sync_timing: Synchronise the device before and after every timed decompression, recompute and
+            backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
+            with CUDA events read when the figures are logged, and CPU work with the wall clock.
 
     Example::
 
@@ -77,12 +79,16 @@ class QuantizedMeBP(Precision):
         weights: str = "ram",
         keep_recomputed_weights: bool = True,
         release_heap: bool = True,
+        sync_timing: bool = False,
     ) -> None:
         ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
         validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
         self.weights = weights
         self.keep_recomputed_weights = keep_recomputed_weights
         self.release_heap = release_heap
+        if not isinstance(sync_timing, bool):
+            raise TypeError(f"`sync_timing` must be a bool, got {sync_timing!r}.")
+        self.sync_timing = sync_timing
         self.fmt = fmt
         self.group_size = group_size
         self.checkpoint = checkpoint
@@ -115,6 +121,7 @@ class QuantizedMeBP(Precision):
         state = mebp_state(module)
         assert state is not None
         self._stats = state.stats  # looked up once: mebp_state may walk every module
+        self._stats.sync_timing = self.sync_timing
         self._stats.reset()
         return module
 
@@ -140,13 +147,8 @@ class QuantizedMeBP(Precision):
             stats.enabled = enabled
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        try:
+        with self.stats.time_backward(tensor.device):
             super().backward(tensor, model, optimizer, *args, **kwargs)
-        finally:
-            if tensor.device.type == "cuda":
-                torch.cuda.synchronize(tensor.device)
-            self.stats.backward_ms += (time.perf_counter() - start) * 1e3
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model, closure, **kwargs)

@@ -6,7 +6,14 @@ models, plugins or trainers in one process never mix their figures.
 
 Decompression happens either in the forward pass (``"forward"``) or while autograd runs the backward
 pass (``"backward"``: the compressed Linear's input-gradient, and every decompression inside a
-checkpoint recompute). Recompute time is the wall time of the recomputed block forwards.
+checkpoint recompute). Recompute time is the time of the recomputed block forwards.
+
+Timing never stalls the device unless asked. On CPU the timers read the wall clock (CPU kernels run
+synchronously). On CUDA they record a pair of ``torch.cuda.Event(enable_timing=True)`` on the current
+stream and read them only when the figures are read (:meth:`MeBPStats.as_dict`, once per optimizer
+step): a pair the GPU has not reached yet counts in the next read. ``sync_timing=True`` restores
+synchronising the device before and after every timed region (wall time, exact per step, but a
+stall per layer).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -49,9 +56,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: The totals a timed region adds to: a decompression phase, the recompute or the whole backward.
+_TimedKey = str
+_RECOMPUTE, _BACKWARD = "recompute", "backward_pass"
+
+
 @dataclass
 class MeBPStats:
     """Milliseconds and counts accumulated since the last :meth:`reset`.
+
+    Args:
+        enabled: Time decompressions and recomputes (``False``: the timers are no-ops).
+        sync_timing: Synchronise the device before and after every timed region (see the module
+            docstring); ``False`` (default) times CUDA work with events, without a stall.
 
     Example::
 
@@ -67,8 +84,23 @@ class MeBPStats:
     recompute_ms: float = 0.0
     backward_ms: float = 0.0
     enabled: bool = True
+    sync_timing: bool = False
+    # CUDA event pairs recorded but not read yet, and finished events for reuse.
+    _pending: list[tuple[_TimedKey, Any, Any]] = field(default_factory=list, init=False, repr=False, compare=False)
+    _spare_events: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "sync_timing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (deepcopy, pickle: EMA, SWA, checkpoints of whole models) leaves out the unread CUDA
+        events, which cannot be copied."""
+        return {**self.__dict__, "_pending": [], "_spare_events": []}
 
     def reset(self) -> None:
+        """Zero the totals (event pairs the device has not reached yet count after the reset)."""
         for key in self.decompress_ms:
             self.decompress_ms[key] = 0.0
             self.decompress_count[key] = 0
@@ -82,20 +114,70 @@ class MeBPStats:
     def add_recompute(self, ms: float) -> None:
         self.recompute_ms += ms
 
+    def _add_ms(self, key: _TimedKey, ms: float) -> None:
+        if key == _RECOMPUTE:
+            self.recompute_ms += ms
+        elif key == _BACKWARD:
+            self.backward_ms += ms
+        else:
+            self.decompress_ms[key] += ms
+
     def time_recompute(self, device: torch.device) -> ContextManager[None]:
         """Time a block's backward recompute (a no-op while ``enabled`` is False)."""
         if not self.enabled:
             return contextlib.nullcontext()
-        return _timed_ms(device, self.add_recompute)
+        return self._timed(device, _RECOMPUTE)
 
     def time_decompress(self, phase: str, device: torch.device) -> ContextManager[None]:
         """Time one decompression in ``phase`` (``"forward"``/``"backward"``; a no-op while disabled)."""
         if not self.enabled:
             return contextlib.nullcontext()
-        return _timed_ms(device, lambda ms: self.add_decompress(phase, ms))
+        self.decompress_count[phase] += 1
+        return self._timed(device, phase)
+
+    def time_backward(self, device: torch.device) -> ContextManager[None]:
+        """Time a whole backward pass into :attr:`backward_ms` (timed even while disabled)."""
+        return self._timed(device, _BACKWARD)
+
+    @contextlib.contextmanager
+    def _timed(self, device: torch.device, key: _TimedKey) -> Iterator[None]:
+        if device.type == "cuda" and not self.sync_timing:
+            start, end = self._event(), self._event()
+            stream = torch.cuda.current_stream(device)
+            start.record(stream)
+            try:
+                yield
+            finally:
+                end.record(stream)
+                self._pending.append((key, start, end))
+            return
+        if self.sync_timing:
+            _sync(device)
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync_timing:
+                _sync(device)
+            self._add_ms(key, (time.perf_counter() - begin) * 1e3)
+
+    def _event(self) -> Any:
+        return self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
+
+    def collect(self) -> None:
+        """Add the event pairs the device has finished to the totals, without waiting for the others."""
+        waiting = []
+        for key, start, end in self._pending:
+            if end.query():
+                self._add_ms(key, start.elapsed_time(end))
+                self._spare_events += (start, end)
+            else:
+                waiting.append((key, start, end))
+        self._pending = waiting
 
     def as_dict(self) -> dict[str, float]:
         """Metrics named ``mebp/...``; ``decompress_share_bwd`` only once a backward was timed."""
+        self.collect()
         out = {
             "mebp/decompress_fwd_ms": self.decompress_ms["forward"],
             "mebp/decompress_bwd_ms": self.decompress_ms["backward"],
@@ -107,15 +189,3 @@ class MeBPStats:
             out["mebp/backward_ms"] = self.backward_ms
             out["mebp/decompress_share_bwd"] = self.decompress_ms["backward"] / self.backward_ms
         return out
-
-
-@contextlib.contextmanager
-def _timed_ms(device: torch.device, record: Callable[[float], None]) -> Iterator[None]:
-    """Pass the block's wall time in milliseconds to ``record`` (device-synchronised on both ends)."""
-    _sync(device)
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _sync(device)
-        record((time.perf_counter() - start) * 1e3)
