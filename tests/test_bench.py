@@ -81,6 +81,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("short", {"quality": 6, "stability": 12}),
     ("standard", {"recipe_speed": 3, "quality": 21}),
     ("ablation", {"ablation": 16}),
+    ("time_to_quality", {"recipe_speed": 3, "quality": 30}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),
 ])
 def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:
@@ -90,7 +91,7 @@ def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int])
 
 def test_every_fine_tuning_arm_of_the_configs_composes() -> None:
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        for name in ("standard", "ablation"):
+        for name in ("standard", "ablation", "time_to_quality"):
             bench = compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
             for arms in validate(dict(bench)).values():
                 for arm in arms:

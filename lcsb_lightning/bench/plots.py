@@ -28,8 +28,10 @@ def _label(r: Mapping[str, Any]) -> str:
     return lab["arm"] + (" (equal wall-clock)" if lab.get("run") == "wallclock" else "")
 
 
-def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tuple[str, str], float], path: Path) -> Path:
-    """Eval loss by step and by training wall-clock, one row per task.
+def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tuple[str, str], float], path: Path,
+                targets: Mapping[str, float] | None = None) -> Path:
+    """Eval loss by step and by training wall-clock, one row per task, with each task's time-to-quality
+    target (``targets``: task -> eval loss) as a dotted line.
 
     The wall-clock of step ``s`` is ``s`` times the arm's median step time in the recipe loop (the
     recipe_speed study, measured with the arms alternating), or the run's own train time without it.
@@ -52,6 +54,10 @@ def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tupl
                 timed = dict(zip(r["curves"]["steps"], r["curves"]["train_seconds"]))
                 seconds = [timed.get(s, 0.0) for s, _ in evals]
             axes[row][1].plot(seconds, [v for _, v in evals], style, ms=3, lw=1.1, color=colors[arm], label=_label(r))
+        target = (targets or {}).get(task)
+        if target is not None:
+            for axis in axes[row]:
+                axis.axhline(target, color="grey", ls=":", lw=1, label="time-to-quality target")
         axes[row][0].set(title=f"{task}: eval loss by step", xlabel="optimizer step", ylabel="eval loss")
         axes[row][1].set(title=f"{task}: eval loss by training wall-clock", xlabel="seconds", ylabel="eval loss")
         axes[row][0].legend(fontsize=7)

@@ -233,11 +233,29 @@ def _finetune_section(title: str, rows: Sequence[Row], probes: Sequence[Row]) ->
     return out
 
 
+def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
+    share = rows[0]["share"]
+    return ["## Time to quality", "",
+            f"Target: {100 * share:.0f}% of full backprop's eval-loss improvement, L0 - {share:g} (L0 - L_full). "
+            "Time to target: training wall-clock (steps x the arm's recipe-loop step time) at which the eval loss "
+            "first reaches it, interpolated between evaluations; ratio < 1 is faster to quality than full backprop. "
+            "At full backprop's wall-clock: the final eval loss of the arm's equal-wall-clock run (its schedule fitted "
+            "to that time), or read off its equal-steps curve where it has none.", "",
+            table(["task", "arm", "eval loss start -> target", "steps to target", "time to target (s)",
+                   "ratio to full", "eval loss at full's wall-clock (full's final)", "from", "evaluations"],
+                  [[r["task"], r["arm"], f"{_f(r['initial_loss'])} -> {_f(r['target_loss'])}", _f(r["reach_step"], ".0f"),
+                    _f(r["reach_seconds"], ".0f"), f"**{_f(r['ratio_to_full'], '.2f', 'x')}**",
+                    f"{_f(r['loss_at_full_wallclock'])} ({_f(r['full_final_loss'])})", r["at_full_wallclock_from"],
+                    str(r["eval_points"])] for r in rows]), ""]
+
+
 def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
-    """``results.md``: every study's tables."""
+    """``results.md``: every study's tables, time to quality first."""
     out = [f"# LCSB benchmark: {meta.get('name', '')}", "",
            f"Command: `{meta.get('command', '')}`  ", f"Machine: {meta.get('machine', '')}  ",
            f"Date: {meta.get('date', '')}", ""]
+    if tables.get("time_to_quality"):
+        out += _time_to_quality_section(tables["time_to_quality"])
     recipe = tables.get("recipe_speed") or []
     if recipe:
         phase_names = [p for p in ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between",

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
+from lcsb_lightning.bench.time_to_quality import time_to_quality_rows
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
     recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
@@ -53,6 +54,9 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     for study in (*FINETUNE_STUDIES, "stability"):
         if study in arms and int(bench[study]["steps"]) < 1:
             raise ValueError(f"benchmark.{study}.steps must be >= 1, got {bench[study]['steps']}")
+    share = (bench.get("quality") or {}).get("target_share", 0.9)
+    if "quality" in arms and not (isinstance(share, (int, float)) and 0 < share <= 1):
+        raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
     return arms
 
 
@@ -239,6 +243,10 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
     if "recipe_speed" in arms:
         res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
         tables["recipe_speed"] = report.recipe_speed_rows(res)
+    if tables.get("_quality_raw"):
+        tables["time_to_quality"] = time_to_quality_rows(
+            tables["_quality_raw"], report.step_seconds(tables.get("recipe_speed") or []),
+            float((bench.get("quality") or {}).get("target_share", 0.9)))
     if "speed" in arms:
         shapes = list(dict.fromkeys(a.labels["shape"] for a in arms["speed"]))
         timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}
@@ -260,7 +268,8 @@ def make_plots(root: Path, tables: Mapping[str, Any], bench: Mapping[str, Any]) 
     for study in FINETUNE_STUDIES:
         raw = tables.get(f"_{study}_raw")
         if raw:
-            out.append(plots.loss_curves(raw, step_seconds, root / "plots" / f"{study}_loss_curves.png"))
+            targets = {r["task"]: r["target_loss"] for r in tables.get("time_to_quality") or []} if study == "quality" else None
+            out.append(plots.loss_curves(raw, step_seconds, root / "plots" / f"{study}_loss_curves.png", targets))
             out.append(plots.selection_heatmap(raw, root / "plots" / f"{study}_selection_heatmap.png"))
             if any(r["curves"].get("probes") for r in raw):
                 out.append(plots.alignment(raw, root / "plots" / f"{study}_alignment.png"))

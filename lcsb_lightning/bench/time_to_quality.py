@@ -1,0 +1,117 @@
+"""Time to quality: how long each arm trains before its eval loss reaches a share of full backprop's
+improvement, next to full backprop (pure functions of the arms' results).
+
+The target of a task is ``L0 - share * (L0 - L_full)``, with ``L0`` the eval loss before training and
+``L_full`` full backprop's final eval loss. An arm reaches it at the first evaluation at or below it;
+the time in between two evaluations is interpolated linearly (evaluate often: every 25 steps or
+better, so that the interpolation does not decide the result). An arm's training wall-clock at step
+``s`` is ``s`` times its median step time in the recipe loop (the ``recipe_speed`` study, arms
+alternating in one process) or, without it, the run's own recorded train time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Row = dict[str, Any]
+Point = tuple[int, float, float]  # (step, train seconds, eval loss)
+
+
+def eval_curve(result: Mapping[str, Any], per_step: float | None = None) -> list[Point]:
+    """``(step, train seconds, eval loss)`` of every evaluation of a run, by step (step 0 included).
+
+    Without ``per_step`` the seconds are the run's own: the recorder's train time at each mid-run
+    evaluation, and its total at the last step.
+    """
+    curves = result["curves"]
+    recorded = {int(e["step"]): float(e["train_seconds"]) for e in curves.get("evals", [])}
+    last = max(int(s) for s in result["eval_at_steps"])
+    recorded.update({0: 0.0, last: float(curves.get("total_train_seconds") or math.nan)})
+    points: list[Point] = []
+    for step_text, metrics in result["eval_at_steps"].items():
+        loss = (metrics or {}).get("val/loss")
+        step = int(step_text)
+        if loss is None or (per_step is None and step not in recorded):
+            continue
+        points.append((step, step * per_step if per_step is not None else recorded[step], float(loss)))
+    return sorted(points)
+
+
+def reach(curve: Sequence[Point], target: float) -> tuple[float, float] | None:
+    """``(step, seconds)`` at which the eval loss first reaches ``target``, linearly interpolated between
+    the two evaluations around the crossing; ``None`` if it never does.
+
+    Example::
+
+        >>> reach([(0, 0.0, 4.0), (10, 20.0, 3.0), (20, 40.0, 2.0)], 2.5)
+        (15.0, 30.0)
+        >>> reach([(0, 0.0, 4.0), (10, 20.0, 3.0)], 2.5) is None
+        True
+    """
+    for (s0, t0, l0), (s1, t1, l1) in zip(curve, curve[1:]):
+        if l1 <= target < l0:
+            fraction = (l0 - target) / (l0 - l1)
+            return s0 + fraction * (s1 - s0), t0 + fraction * (t1 - t0)
+    if curve and curve[0][2] <= target:
+        return float(curve[0][0]), curve[0][1]
+    return None
+
+
+def loss_at(curve: Sequence[Point], seconds: float) -> float | None:
+    """The eval loss at training wall-clock ``seconds``, interpolated linearly; ``None`` past the curve."""
+    for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:]):
+        if t0 <= seconds <= t1:
+            return l0 if t1 == t0 else l0 + (seconds - t0) / (t1 - t0) * (l1 - l0)
+    return None
+
+
+def time_to_quality_rows(
+    results: Sequence[Mapping[str, Any]],
+    step_seconds: Mapping[tuple[str, str], float] | None = None,
+    share: float = 0.9,
+) -> list[Row]:
+    """One row per task x arm (equal-steps runs): when it reaches ``share`` of full backprop's improvement,
+    as a ratio to full backprop's time (below 1: faster to quality), and its final eval loss when it
+    trains for full backprop's wall-clock with its own schedule fitted to it (its ``wallclock`` twin).
+
+    Raises:
+        ValueError: ``share`` is not in (0, 1].
+    """
+    if not 0 < share <= 1:
+        raise ValueError(f"`share` must be in (0, 1], got {share!r}.")
+    step_seconds = step_seconds or {}
+    by_name = {r["name"]: r for r in results}
+    twins = {r["wallclock_of"]: r for r in results if r.get("wallclock_of")}
+    rows: list[Row] = []
+    for r in results:
+        if r["labels"].get("run", "steps") != "steps":
+            continue
+        task, arm = r["labels"]["task"], r["labels"]["arm"]
+        base = by_name.get(r["baseline"] or r["name"])
+        if base is None:
+            continue
+        base_curve = eval_curve(base, step_seconds.get((task, base["labels"]["arm"])))
+        curve = eval_curve(r, step_seconds.get((task, arm)))
+        if len(base_curve) < 2 or len(curve) < 2:
+            continue
+        initial, full_final, full_seconds = base_curve[0][2], base_curve[-1][2], base_curve[-1][1]
+        target = initial - share * (initial - full_final)
+        base_reach, arm_reach = reach(base_curve, target), reach(curve, target)
+        twin = twins.get(r["name"])
+        twin_curve = eval_curve(twin, step_seconds.get((task, arm))) if twin is not None else []
+        rows.append({
+            "task": task, "arm": arm, "baseline": base["labels"]["arm"], "share": share,
+            "initial_loss": initial, "target_loss": target, "final_loss": curve[-1][2], "steps": curve[-1][0],
+            "seconds_per_step": step_seconds.get((task, arm)),
+            "reach_step": None if arm_reach is None else arm_reach[0],
+            "reach_seconds": None if arm_reach is None else arm_reach[1],
+            "ratio_to_full": (arm_reach[1] / base_reach[1]) if arm_reach and base_reach and base_reach[1] > 0 else None,
+            "loss_at_full_wallclock": twin_curve[-1][2] if twin_curve else (
+                full_final if r["name"] == base["name"] else loss_at(curve, full_seconds)),
+            "at_full_wallclock_from": "own schedule" if twin_curve or r["name"] == base["name"] else "equal-steps curve",
+            "full_final_loss": full_final,
+            "eval_points": len(curve),
+        })
+    return rows

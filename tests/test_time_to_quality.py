@@ -1,0 +1,83 @@
+"""Time to quality: crossing times interpolated between evaluations, ratios to full backprop, the
+equal-wall-clock loss, and the section that leads results.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lcsb_lightning.bench import report
+from lcsb_lightning.bench.runner import validate
+from lcsb_lightning.bench.time_to_quality import eval_curve, loss_at, reach, time_to_quality_rows
+
+
+def _result(name: str, arm: str, losses: dict[int, float], seconds_per_step: float, baseline: str | None = "full",
+            run: str = "steps", wallclock_of: str | None = None) -> dict[str, Any]:
+    last = max(losses)
+    return {
+        "name": name, "labels": {"task": "wikitext2", "arm": arm, "run": run}, "baseline": baseline,
+        "wallclock_of": wallclock_of, "steps": last, "summary": {"steps": last}, "diverged": False,
+        "eval_at_steps": {str(s): {"val/loss": v} for s, v in losses.items()},
+        "curves": {"steps": list(range(1, last + 1)), "train_loss": [1.0] * last,
+                   "train_seconds": [seconds_per_step * s for s in range(1, last + 1)],
+                   "evals": [{"step": s, "train_seconds": seconds_per_step * s} for s in losses if 0 < s < last],
+                   "total_train_seconds": seconds_per_step * last},
+    }
+
+
+FULL = _result("full", "full", {0: 4.0, 25: 3.0, 50: 2.5, 75: 2.2, 100: 2.0}, 2.0, baseline=None)
+# slower per step to learn, but 2x cheaper steps
+FAST = _result("fast", "fast", {0: 4.0, 25: 3.4, 50: 3.0, 75: 2.6, 100: 2.3, 125: 2.15}, 1.0)
+FAST_WALLCLOCK = _result("fast_wc", "fast", {0: 4.0, 100: 2.4, 200: 2.1}, 1.0, run="wallclock", wallclock_of="fast")
+NEVER = _result("never", "never", {0: 4.0, 50: 3.5, 100: 3.3}, 1.0)
+
+
+def test_reach_interpolates_between_evaluations_and_returns_none_when_never_reached() -> None:
+    curve = eval_curve(FULL)
+    assert curve[0] == (0, 0.0, 4.0) and curve[-1] == (100, 200.0, 2.0)
+    assert reach(curve, 2.2) == (75.0, 150.0)
+    step, seconds = reach(curve, 2.75)  # halfway between steps 25 and 50
+    assert step == pytest.approx(37.5) and seconds == pytest.approx(75.0)
+    assert reach(curve, 1.9) is None
+    assert loss_at(curve, 75.0) == pytest.approx(2.75)
+    assert loss_at(curve, 250.0) is None
+
+
+def test_rows_give_the_ratio_to_full_and_the_loss_at_full_wallclock() -> None:
+    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST, FAST_WALLCLOCK, NEVER])}
+    assert set(rows) == {"full", "fast", "never"}  # the wall-clock twin is not a row of its own
+    # target: 4.0 - 0.9 * (4.0 - 2.0) = 2.2; full reaches it at step 75 = 150 s
+    assert rows["full"]["target_loss"] == pytest.approx(2.2)
+    assert rows["full"]["reach_seconds"] == pytest.approx(150.0) and rows["full"]["ratio_to_full"] == pytest.approx(1.0)
+    # fast: 2.3 at step 100, 2.15 at 125 -> 2.2 at step 100 + 25 * (0.1 / 0.15) = 116.67 -> 116.67 s at 1 s/step
+    assert rows["fast"]["reach_step"] == pytest.approx(116.6667, rel=1e-4)
+    assert rows["fast"]["ratio_to_full"] == pytest.approx(116.6667 / 150.0, rel=1e-4)
+    assert rows["fast"]["loss_at_full_wallclock"] == pytest.approx(2.1)
+    assert rows["fast"]["at_full_wallclock_from"] == "own schedule"
+    assert rows["never"]["reach_seconds"] is None and rows["never"]["ratio_to_full"] is None
+    assert rows["never"]["at_full_wallclock_from"] == "equal-steps curve"
+    assert rows["never"]["loss_at_full_wallclock"] is None  # its curve ends at 100 s, before full's 200 s
+
+
+def test_recipe_loop_step_times_replace_the_recorded_ones() -> None:
+    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST], {("wikitext2", "full"): 1.0, ("wikitext2", "fast"): 1.0})}
+    assert rows["full"]["reach_seconds"] == pytest.approx(75.0)
+    assert rows["fast"]["ratio_to_full"] == pytest.approx(116.6667 / 75.0, rel=1e-4)
+
+
+def test_time_to_quality_leads_results_md() -> None:
+    rows = time_to_quality_rows([FULL, FAST, FAST_WALLCLOCK])
+    text = report.markdown({"time_to_quality": rows, "quality": report.finetune_rows([FULL, FAST], {})}, {"name": "t"})
+    assert text.index("## Time to quality") < text.index("## Quality")
+    assert "**0.78x**" in text
+
+
+@pytest.mark.parametrize("share", [0, 1.5, "x"])
+def test_bad_target_share_is_refused_before_any_run(share: Any) -> None:
+    bench = {"studies": ["quality"], "quality": {"model": "tiny", "tasks": ["pydoc"], "seed": 0, "steps": 2,
+                                                  "target_share": share, "arms": {"full": {"overrides": []}}}}
+    with pytest.raises(ValueError, match="target_share must be in"):
+        validate(bench)
+    with pytest.raises(ValueError, match="`share` must be in"):
+        time_to_quality_rows([FULL], share=share if isinstance(share, (int, float)) else -1)
