@@ -168,22 +168,62 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
 
 
 def _full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A sharded DTensor's norm as a plain tensor (FSDP2: a collective on every rank)."""
+    """A DTensor norm as a plain tensor (a collective on every rank); a plain tensor as it is."""
     full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else norm
 
 
-def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
-    """L2 norm of each block's gradients (0.0 for a block without any): one fused norm kernel over all
-    gradients and one read-back, not one per parameter or block."""
+def _reduction_key(grad: torch.Tensor) -> tuple[object, tuple[int, ...]] | None:
+    """How a gradient's local squared norm becomes the full one: None for a plain tensor (it is the
+    full one), else its DTensor mesh and the mesh dims it is sharded over (summed across). A
+    replicated dim holds the same values on every rank and needs nothing; "partial" raises."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return None
+    if any(placement.is_partial() for placement in placements):
+        raise NotImplementedError(
+            f"grad_norms: a gradient with placements {tuple(placements)} is a partial sum (unreduced); "
+            "FSDP2 gradients are sharded (Shard) or replicated (Replicate)."
+        )
+    return grad.device_mesh, tuple(dim for dim, placement in enumerate(placements) if placement.is_shard())
+
+
+def block_grad_norms(params_per_block: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The L2 norm of each block's gradients (0 for a block without any), as one float32 tensor on the
+    gradients' device, without a read-back.
+
+    Each block's norm is fused over its gradients (:func:`torch.nn.utils.get_total_norm`). Sharded
+    DTensor gradients (FSDP2) contribute their local shards' squared norms, summed across ranks by
+    one ``all_reduce`` per mesh and sharded mesh dim for all blocks together, not one per parameter.
+    """
     grads = [[p.grad.detach() for p in params if p.grad is not None] for params in params_per_block]
     flat = [g for block in grads for g in block]
     if not flat:
-        return [0.0] * len(params_per_block)
-    norms = iter(torch._foreach_norm(flat))
-    per_block = []
-    for block, params in zip(grads, params_per_block):
-        parts = [_full_norm(next(norms)).float() for _ in block]
-        device = params[0].device if params else torch.device("cpu")
-        per_block.append(torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), device=device))
-    return torch.stack(per_block).tolist()
+        return torch.zeros(len(params_per_block))
+    device = getattr(flat[0], "to_local", lambda: flat[0])().device
+    # Per reduction key: the local squared norm of each block's gradients of that key.
+    squares: dict[tuple[object, tuple[int, ...]] | None, torch.Tensor] = {}
+    for index, block in enumerate(grads):
+        by_key: dict[tuple[object, tuple[int, ...]] | None, list[torch.Tensor]] = {}
+        for grad in block:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            by_key.setdefault(_reduction_key(grad), []).append(local)
+        for key, tensors in by_key.items():
+            if key not in squares:
+                squares[key] = torch.zeros(len(grads), dtype=torch.float32, device=device)
+            norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
+            squares[key][index] = norm.to(device=device, dtype=torch.float32).square()
+    total = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    for key, square in squares.items():
+        if key is not None:
+            mesh, shard_dims = key
+            for dim in shard_dims:
+                torch.distributed.all_reduce(square, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+        total += square
+    return total.sqrt()
+
+
+def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
+    """L2 norm of each block's gradients (0.0 for a block without any), read back once; see
+    :func:`block_grad_norms`."""
+    return block_grad_norms(params_per_block).tolist()

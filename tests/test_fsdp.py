@@ -39,6 +39,11 @@ def test_fsdp2_model_parallel_strategy_on_cpu(tmp_path: Path, policy: str) -> No
     sharded = _run(tmp_path / "fsdp2", "fsdp2", policy, 8)
     single = _run(tmp_path / "single", "single", policy, 8)[0]
     _assert_matches_one_process(sharded, single)
+    if policy == "grad_norm":  # one reduction for all selected blocks, not one per LoRA parameter
+        for rank in (0, 1):
+            calls = json.loads((tmp_path / "fsdp2" / f"grad_norm_collectives_{rank}.json").read_text())
+            assert calls == [1] * 8, calls
+        assert json.loads((tmp_path / "single" / "grad_norm_collectives_0.json").read_text()) == [0] * 8
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDPStrategy needs CUDA; this machine has fewer than 2 GPUs")
