@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -14,14 +15,22 @@ from lcsb_lightning.selective import SelectiveBackprop
 
 BACKWARD_MODES = ("identity", "exact", "truncated")
 MOMENTUM_MODES = ("implicit", "skip", "reset")
+UPDATE_SCALES = ("none", "sqrt_period")
 
 
-def validate_modes(backward: str, momentum: str) -> None:
-    """Raise if ``backward`` or ``momentum`` is not a supported mode name."""
+def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> None:
+    """Raise if ``backward``, ``momentum`` or ``update_scale`` is not a supported mode name (or they clash)."""
     if backward not in BACKWARD_MODES:
         raise ValueError(f"`backward={backward!r}` is not supported; allowed: {', '.join(BACKWARD_MODES)}.")
     if momentum not in MOMENTUM_MODES:
         raise ValueError(f"`momentum={momentum!r}` is not supported; allowed: {', '.join(MOMENTUM_MODES)}.")
+    if update_scale not in UPDATE_SCALES:
+        raise ValueError(f"`update_scale={update_scale!r}` is not supported; allowed: {', '.join(UPDATE_SCALES)}.")
+    if update_scale != "none" and momentum != "implicit":
+        raise ValueError(
+            f"`update_scale={update_scale!r}` compensates what implicit momentum does to a block trained every "
+            f"P-th step; it needs `momentum='implicit'`, got {momentum!r}."
+        )
 
 
 class LCSBController:
@@ -57,13 +66,18 @@ class LCSBController:
         backward: str = "truncated",
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
+        update_scale: str = "none",
     ) -> None:
-        validate_modes(backward, momentum)
-        self.policy, self.backward, self.momentum = policy, backward, momentum
+        validate_modes(backward, momentum, update_scale)
+        self.policy, self.backward, self.momentum, self.update_scale = policy, backward, momentum, update_scale
         self.block_params: BlockParams = map_trainable_params(model, blocks)
         policy.setup(self.block_params.num_blocks)
         self.selection: tuple[int, ...] = ()
         self.selection_counts = [0] * self.block_params.num_blocks
+        self.steps_selected = 0
+        # id(optimizer) -> (parameter, its value before the step, the update's multiplier), during a step
+        self._pending_updates: dict[int, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        self._hooks: list[Any] = []
         self.selected_at_step = -1
         self.observed_at_step = -1
         # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
@@ -101,6 +115,7 @@ class LCSBController:
                         optimizer.state.pop(p, None)
         for i in selection:
             self.selection_counts[i] += 1
+        self.steps_selected += 1
         self.selection, self.selected_at_step = selection, step
         return selection
 
@@ -134,6 +149,46 @@ class LCSBController:
                     p.grad.zero_()
         return norms
 
+    def update_multipliers(self) -> list[float]:
+        """Per block, the factor ``update_scale`` multiplies its optimizer update by: ``sqrt(P)``, with ``P``
+        the optimizer steps per selection of the block so far (1.0 everywhere with ``"none"``).
+
+        With AdamW and implicit momentum a block trained every P-th step moves about ``1 / sqrt(P)`` as
+        far per step as under full backprop (its first moment sums to one gradient per period, its second
+        moment holds a P-th of the squared gradient), whatever the gradient's noise.
+        """
+        if self.update_scale == "none" or self.steps_selected == 0:
+            return [1.0] * self.num_blocks
+        return [math.sqrt(self.steps_selected / count) if count else 1.0 for count in self.selection_counts]
+
+    def scale_updates_of(self, optimizers: Sequence[Optimizer]) -> None:
+        """Scale every step of ``optimizers`` per block by :meth:`update_multipliers` (``update_scale``).
+
+        The optimizers' own step hooks take each block's parameters when the step starts (under Lightning,
+        before its closure runs the forward and backward) and rescale the update when it ends. A parameter
+        left without a gradient got no update (a divergence guard skipped or rolled back the step, or
+        ``momentum`` gave it none): it is left as the step left it.
+        """
+        if self.update_scale == "none":
+            return
+        for optimizer in optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_update))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_update))
+
+    def _before_update(self, optimizer: Optimizer, *args: Any) -> None:
+        in_optimizer = self._param_ids(optimizer)
+        self._pending_updates[id(optimizer)] = [
+            (p, p.detach().clone(), factor)
+            for params, factor in zip(self.block_params.params_per_block, self.update_multipliers()) if factor != 1.0
+            for p in params if id(p) in in_optimizer
+        ]
+
+    def _after_update(self, optimizer: Optimizer, *args: Any) -> None:
+        with torch.no_grad():
+            for p, before, factor in self._pending_updates.pop(id(optimizer), []):
+                if p.grad is not None:
+                    p.sub_(before).mul_(factor).add_(before)
+
     def _param_ids(self, optimizer: Optimizer) -> frozenset[int]:
         count = sum(len(group["params"]) for group in optimizer.param_groups)
         cached = self._optimizer_param_ids.get(id(optimizer))
@@ -143,7 +198,10 @@ class LCSBController:
         return cached[1]
 
     def release(self) -> None:
-        """Leave the model as found: the forwards that were there before (idempotent)."""
+        """Leave the model and the optimizers as found: the forwards that were there before (idempotent)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self.selective is not None:
             self.selective.remove()
             self.selective = None
@@ -155,6 +213,7 @@ class LCSBController:
             "selected_at_step": self.selected_at_step,
             "observed_at_step": self.observed_at_step,
             "selection_counts": list(self.selection_counts),
+            "steps_selected": self.steps_selected,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,3 +222,4 @@ class LCSBController:
         self.selected_at_step = int(state["selected_at_step"])
         self.observed_at_step = int(state["observed_at_step"])
         self.selection_counts = list(state["selection_counts"])
+        self.steps_selected = int(state.get("steps_selected", max(self.selection_counts, default=0)))
