@@ -2,8 +2,10 @@
 
 * :class:`AtomicCheckpointIO` writes a checkpoint next to its destination and renames it into place,
   so a crash or a full disk never leaves a half-written file where the last good one was.
-* :class:`ResumableLoader` shuffles with one seeded permutation per epoch and reports how far into
-  the epoch training got, so a resumed run reads exactly the batches an uninterrupted one would.
+* :class:`ResumableLoader` (a torchdata ``StatefulDataLoader``) with :class:`EpochShuffle` shuffles with
+  one seeded permutation per epoch; Lightning saves and restores its position and shards it under DDP,
+  so a resumed run reads exactly the batches an uninterrupted one would.
+* :class:`PreemptionCheckpoint` writes one after the current step on SIGTERM or SIGINT and stops the run.
 * :func:`resolve_checkpoint` / :func:`check_checkpoint` find and validate what ``resume=`` names,
   before any model is loaded.
 """
@@ -11,18 +13,28 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import signal
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from torch.utils.data import DataLoader, Sampler
+from lightning.pytorch import Callback
+from torch.utils.data import RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.ckpt"
+_EPOCH = "sampler_epoch"  # ResumableLoader's own entry in a StatefulDataLoader state
+_YIELDED = "_num_yielded"  # the batches a single-process StatefulDataLoader iterator yielded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -55,54 +67,124 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
 
-class ResumableSampler(Sampler[int]):
-    """A seeded permutation per epoch (``seed + epoch``), starting ``skip`` samples in after a resume."""
+class EpochShuffle(RandomSampler):
+    """One seeded permutation per epoch, ``torch.randperm(n)`` seeded with ``seed + epoch``.
+
+    That is the order of ``DistributedSampler(shuffle=True, seed=seed)`` on one process, and being a
+    ``RandomSampler`` it is what Lightning replaces by that sampler under DDP (seeded with
+    ``PL_GLOBAL_SEED``, which ``seed_everything(seed)`` sets): each rank then reads its share of the same
+    per-epoch permutation.
+
+    Args:
+        size: The number of examples.
+        seed: The seed of epoch 0.
+    """
 
     def __init__(self, size: int, seed: int) -> None:
+        super().__init__(range(size))
         self.size, self.seed = size, seed
         self.epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, samples to skip)
 
-    def set_epoch(self, epoch: int) -> None:  # called by Lightning at every epoch start
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start (and by :class:`ResumableLoader` on a resume)."""
         self.epoch = epoch
 
-    def resume(self, epoch: int, samples: int) -> None:
-        self.epoch, self._resume = epoch, (epoch, samples)
-
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        skip = 0
-        if self._resume is not None and self._resume[0] == self.epoch:
-            skip = self._resume[1]
-        self._resume = None
-        return iter(order[skip:])
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
 
     def __len__(self) -> int:
         return self.size
 
 
-class ResumableLoader(DataLoader):
-    """The training loader of the recipes: Lightning saves its ``state_dict`` in every checkpoint (the
-    epoch and the batches consumed in it) and restores it before the epoch's iterator is created."""
+class ResumableLoader(StatefulDataLoader):
+    """The training loader of the recipes: a ``StatefulDataLoader`` whose state also holds its sampler's epoch.
 
-    def __init__(self, dataset: Any, batch_size: int, seed: int, **kwargs: Any) -> None:
-        super().__init__(dataset, batch_size=batch_size, sampler=ResumableSampler(len(dataset), seed), **kwargs)
-        self._trainer: Any = None
+    Lightning saves the loader's ``state_dict`` in every checkpoint (the batches yielded in the
+    current epoch) and loads it before creating the epoch's iterator, which fast-forwards past them;
+    under DDP it injects a ``DistributedSampler`` (re-creating this loader with the same arguments).
+    The epoch is saved too because that iterator is created, permutation included, before Lightning
+    calls ``set_epoch`` on a resume; a checkpoint written after the last batch of an epoch resumes at
+    the start of the next one. Takes ``StatefulDataLoader``'s arguments (pass ``sampler=EpochShuffle(...)``).
+    """
 
-    def bind(self, trainer: Any) -> None:
-        """Read the training progress from ``trainer`` (its processed batches of the current epoch)."""
-        self._trainer = trainer
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), _EPOCH: int(getattr(self.sampler, "epoch", 0))}
 
-    def state_dict(self) -> dict[str, int]:
-        if self._trainer is None:
-            return {}
-        progress = self._trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": int(self._trainer.current_epoch), "batches": int(progress.processed)}
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        epoch = state.pop(_EPOCH, None)
+        if epoch is not None and callable(getattr(self.sampler, "set_epoch", None)):
+            if state.get(_YIELDED, 0) >= len(self):  # the epoch was over: the next one starts afresh
+                epoch, state = epoch + 1, {}
+            self.sampler.set_epoch(int(epoch))
+        super().load_state_dict(state)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state:
-            assert isinstance(self.sampler, ResumableSampler)
-            self.sampler.resume(int(state["epoch"]), int(state["batches"]) * int(self.batch_size or 1))
+
+class Preempted(SystemExit):
+    """Raised by the recipe run after a preemption checkpoint: its exit status is ``128 + signal`` (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process ended by that signal."""
+
+
+class PreemptionCheckpoint(Callback):
+    """On SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C), write the resumable checkpoint ``path`` after
+    the current training step and stop.
+
+    Builds on Lightning's SIGTERM handling (``trainer.received_sigterm``: forwarded to the other local
+    processes, broadcast across ranks, training stops with ``SIGTERMException``): SIGINT goes to the same
+    handler, so one Ctrl-C stops as cleanly and a second one interrupts at once. The checkpoint is written
+    at the end of the training batch, where the periodic ones are, so a resume reads exactly the batches
+    an uninterrupted run would. A signal during validation stops the run at once; the latest periodic
+    checkpoint is then the one to resume from.
+
+    Args:
+        path: Where the checkpoint goes (the recipe's ``checkpoints/last.ckpt``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        #: The signal that stopped the run (``None`` while it runs).
+        self.signum: int | None = None
+        #: The global step of the checkpoint written on that signal (``None`` if none was).
+        self.saved_step: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        lightning = signal.getsignal(signal.SIGTERM)  # Lightning's, registered before training starts
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler(lightning))
+
+    def _handler(self, lightning: Any) -> Callable[[int, FrameType | None], None]:
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGINT and self.signum is not None:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self.signum = self.signum or signum
+            log.warning("received %s: the run stops after this training step with a checkpoint",
+                        signal.Signals(signum).name)
+            if callable(lightning):
+                lightning(signal.SIGTERM, frame)
+
+        return handle
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        stop = bool(trainer.received_sigterm)
+        if trainer.world_size > 1:  # every rank takes part in the save: decide together
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop and self.saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.path)
+            self.saved_step = int(trainer.global_step)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def exit_code(self) -> int:
+        """``128 + signal``, the status :class:`Preempted` exits with."""
+        return 128 + int(self.signum or signal.SIGTERM)
 
 
 def resolve_checkpoint(resume: str | os.PathLike[str]) -> Path:

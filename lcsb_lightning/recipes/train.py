@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,13 +22,15 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.recipes.batching import collate
 from lcsb_lightning.recipes.checkpointing import (
-    CHECKPOINT_DIR, LAST, AtomicCheckpointIO, ResumableLoader, check_checkpoint, resolve_checkpoint,
+    CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
+    resolve_checkpoint,
 )
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, peak_rss_mb, save_adapter, write_loss_curve
@@ -88,9 +91,10 @@ def prepare(cfg: DictConfig) -> Prepared:
 
 
 def make_loaders(data: TaskData, cfg: DictConfig, pad_id: int) -> tuple[ResumableLoader, DataLoader]:
-    """Training (a seeded permutation per epoch, resumable mid-epoch) and evaluation data loaders."""
+    """Training (a seeded permutation per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders."""
     fn = partial(collate, pad_id=pad_id)
-    train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), seed=int(cfg.seed), collate_fn=fn)
+    sampler = EpochShuffle(len(data.train), seed=int(cfg.seed))
+    train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), sampler=sampler, collate_fn=fn)
     evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
     return train, evals
 
@@ -124,6 +128,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
                                          save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
+        callbacks.append(PreemptionCheckpoint(Path(output_dir) / CHECKPOINT_DIR / LAST))
     guard = _node(cfg, "guard")
     if guard is not None:
         callbacks.append(guard)
@@ -163,6 +168,21 @@ def _hydra_choices() -> dict[str, Any]:
     return {}
 
 
+def _stop_if_preempted(trainer: L.Trainer, out: Path) -> None:
+    """Raise :class:`Preempted` (exit status ``128 + signal``) when a signal stopped the fit, naming the
+    checkpoint to resume from; the adapter and the summary are not written."""
+    preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    if not trainer.received_sigterm and (preemption is None or preemption.signum is None):
+        return
+    last = out / CHECKPOINT_DIR / LAST
+    if preemption is not None and preemption.saved_step is not None:
+        where = f"the checkpoint {last} holds step {preemption.saved_step}"
+    else:  # stopped during validation (or without checkpoints): the latest periodic checkpoint, if any
+        where = f"no checkpoint was written on the signal; {last} is the latest one" if last.is_file() else "no checkpoint exists"
+    log.warning("preempted at step %d: %s; continue with lcsb-finetune resume=%s", trainer.global_step, where, out)
+    raise Preempted(preemption.exit_code() if preemption is not None else 128 + signal.SIGTERM)
+
+
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, ``summary.json`` and a
     loss-curve PNG into ``output_dir``.
@@ -171,7 +191,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     checked before the model is loaded (see :func:`prepare`). A resumable checkpoint goes to
     ``checkpoints/last.ckpt`` every ``checkpoint_every`` steps and at the end; the adapter and the
     summary are written last. Every file is replaced only by a complete new one, by the global-zero
-    process.
+    process. On SIGTERM or SIGINT the run writes ``checkpoints/last.ckpt`` after the current step and
+    raises :class:`~lcsb_lightning.recipes.checkpointing.Preempted` (exit status 143 or 130).
 
     Args:
         cfg: The composed config (``conf/config.yaml``); with ``resume`` set, the run's own config.
@@ -190,7 +211,6 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     prepared = prepare(cfg)
     train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer.pad_token_id)
     trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
-    train_loader.bind(trainer)
     module = prepared.module
 
     initial: dict[str, float] = {}
@@ -204,7 +224,11 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
             if trainer.is_global_zero:
                 atomic_write_json(out / INITIAL_NAME, initial)
     fit_start = time.perf_counter()
-    trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
+    try:
+        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
+    except SIGTERMException:
+        pass  # Lightning stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
+    _stop_if_preempted(trainer, out)
     fit_seconds = time.perf_counter() - fit_start
     if cfg.trainer.get("enable_checkpointing", True):
         trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST)  # the end state, whatever the interval

@@ -1,0 +1,129 @@
+"""Preemption: SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C) makes a recipe run write checkpoints/last.ckpt
+after the current step and exit with 128 + the signal; ``resume=`` then ends exactly where an uninterrupted run does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from _recipes_utils import FAST, compose_cfg, one_thread  # noqa: F401
+from lcsb_lightning.recipes.checkpointing import Preempted
+from lcsb_lightning.recipes.train import run_finetune
+
+OVERRIDES = [*FAST, "task=pydoc", "task.max_eval_examples=2", "trainer.max_steps=8", "checkpoint_every=100",
+             "module.lr=1e-2"]
+SIGNAL_AT = 4  # the signal arrives during the training step that reaches this global step
+
+
+class Losses(Callback):
+    """Records the training loss of every step; sends ``signum`` to this process during step ``at``."""
+
+    def __init__(self, signum: int | None = None, at: int = SIGNAL_AT, in_validation: bool = False) -> None:
+        self.signum, self.at, self.in_validation = signum, at, in_validation
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.signum is not None and not self.in_validation and trainer.global_step == self.at - 1:
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer: Any, *args: Any) -> None:
+        if self.signum is not None and self.in_validation and trainer.state.fn == "fit" and trainer.global_step == self.at:
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[float]]:
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("reference") / "run"
+    losses = Losses()
+    summary = run_finetune(compose_cfg(OVERRIDES), out, extra_callbacks=[losses])
+    return out, summary, losses.losses
+
+
+def _assert_same_end(out: Path, resumed: dict[str, Any], reference: tuple[Path, dict[str, Any], list[float]]) -> None:
+    ref_dir, ref_summary, _ = reference
+    assert resumed["steps"] == ref_summary["steps"] == 8 and resumed["resumed_from"].endswith("last.ckpt")
+    assert resumed["final_metrics"] == ref_summary["final_metrics"]
+    assert resumed["block_selection_counts"] == ref_summary["block_selection_counts"]
+    a, b = _adapter(out), _adapter(ref_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_writes_a_checkpoint_and_resume_continues_exactly(tmp_path: Path, reference, name: str, code: int) -> None:
+    out = tmp_path / "run"
+    cfg = compose_cfg(OVERRIDES)
+    stopped = Losses(getattr(signal, name))
+    with pytest.raises(Preempted) as raised:
+        run_finetune(cfg, out, extra_callbacks=[stopped])
+    assert raised.value.code == code
+    assert _step(out / "checkpoints" / "last.ckpt") == SIGNAL_AT and len(stopped.losses) == SIGNAL_AT
+    assert not (out / "summary.json").exists() and not (out / "adapter").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]  # written atomically
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+    cfg.resume = str(out)
+    resumed = Losses()
+    summary = run_finetune(cfg, out, extra_callbacks=[resumed])
+    assert stopped.losses + resumed.losses == reference[2]
+    _assert_same_end(out, summary, reference)
+
+
+def test_signal_during_validation_keeps_the_latest_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(Preempted) as raised:
+        run_finetune(compose_cfg([*OVERRIDES, "checkpoint_every=2"]), out,
+                     extra_callbacks=[Losses(signal.SIGTERM, at=SIGNAL_AT, in_validation=True)])
+    assert raised.value.code == 143
+    assert _step(out / "checkpoints" / "last.ckpt") == SIGNAL_AT  # the periodic one, written before validation
+    assert "no checkpoint was written on the signal" in caplog.text and not (out / "summary.json").exists()
+
+
+def test_sigterm_to_the_lcsb_finetune_process(tmp_path: Path) -> None:
+    """The console script: exit status 143 after the checkpoint, then ``resume=`` from the command line."""
+    script = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "run"
+    cmd = [script, *OVERRIDES, "trainer.val_check_interval=100", "trainer.max_steps=150", f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    events = out / "tensorboard"
+    deadline = time.monotonic() + 300
+    while not any(events.glob("events.out.tfevents.*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the training logger starts after the evaluation before training
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    step = _step(out / "checkpoints" / "last.ckpt")
+    assert 0 < step < 150 and f"preempted at step {step}" in output and f"resume={out}" in output
+    assert not (out / "summary.json").exists()
+
+    done = subprocess.run([script, f"resume={out}", f"hydra.run.dir={out}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 150 and summary["resumed_from"].endswith("last.ckpt")
