@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 import statistics
 from collections import deque
 from typing import Any
@@ -19,28 +20,51 @@ ACTIONS = ("skip", "rollback", "stop")
 
 class DivergenceGuard(Callback):
     """Checks every optimizer step, before the update, for a non-finite loss, a non-finite gradient, or a
-    loss above ``spike_factor`` times the median of the last ``window`` losses, and then acts:
+    loss that has stayed above ``spike_factor`` times the median of the last ``window`` losses for
+    ``patience`` consecutive steps, and then acts:
 
     ``"skip"``
-        the step makes no update: every gradient is cleared (AdamW leaves a parameter without a
-        gradient untouched, its moments and weight decay included).
+        the step makes no update: neither the parameters nor the optimizer state (moments, step
+        counts) change.
     ``"rollback"``
-        the trainable parameters and the optimizer state go back to the last good snapshot (taken
-        after every ``snapshot_every`` good updates, in memory: LoRA-sized), every learning rate is multiplied
-        by ``lr_factor`` (the scheduler's base rates too), and the step makes no update.
+        the trainable parameters and the optimizer state go back to the last good snapshot (taken every
+        ``snapshot_every`` good steps, before the update of a step whose loss showed the state to be
+        good; in memory: LoRA-sized), every learning rate is multiplied by ``lr_factor`` (the
+        scheduler's base rates too), and the step makes no update.
     ``"stop"``
         the step makes no update and the fit stops with a message naming the step and the reason.
 
-    Every event goes to the loggers (``guard/events``) and to :attr:`events`. List the guard after
-    ``LCSBCallback`` so that it sees the gradients LCSB leaves.
+    A non-finite loss or gradient is acted on at once. A loss spike is acted on only when it lasts:
+    a single batch far above the median is what a healthy run with a heavy-tailed loss looks like
+    (a one-token classification loss over a few examples is near 0 on most batches and 2-4 on the
+    batch the model gets wrong, the batch to learn from), while a diverging run stays high. Spikes
+    shorter than ``patience`` are trained on and enter the running median; ``patience=1`` is the
+    single-step rule (for losses without such a tail). Under ``"skip"`` every further step of a
+    lasting spike is skipped too; a rollback starts the count afresh.
+
+    The decision is final whatever the order of the callbacks: the guard does not rely on the gradients
+    it clears (another callback's ``on_before_optimizer_step``, such as ``LCSBCallback`` giving the
+    blocks it does not train a zero gradient, may run after it and recreate them, and AdamW then still
+    applies momentum and weight decay). ``on_before_optimizer_step`` runs inside the closure that
+    ``optimizer.step(closure)`` calls, so the guard wraps each optimizer's ``step`` for the fit: the
+    wrapper runs the closure (forward, backward and every callback's hook) first, and calls the real
+    ``step`` only if the guard let the step through. The wrapper is removed when the fit ends.
+
+    Several processes: every rank decides the same. The loss (the mean over ranks: the loss of the
+    global batch) and the non-finite flags are all-reduced once per step before the check, so the
+    running statistic and every decision are identical on every rank: a fault one rank sees is
+    skipped, rolled back or stopped on all of them.
+
+    Every event goes to the loggers (``guard/events``) and to :attr:`events`.
 
     Args:
         action: ``"skip"``, ``"rollback"`` or ``"stop"``.
         spike_factor: A loss above this multiple of the running median is a spike (``> 1``).
         window: Losses in the running median.
-        warmup: Steps before spikes are looked for (non-finite values are caught from the first step).
+        warmup: Good steps before spikes are looked for (non-finite values are caught from the first step).
         lr_factor: Learning-rate multiplier of a rollback, in (0, 1].
         snapshot_every: Good steps between in-memory snapshots (rollback only).
+        patience: Consecutive spikes that make a divergence (``>= 1``).
 
     Example::
 
@@ -58,6 +82,7 @@ class DivergenceGuard(Callback):
         warmup: int = 20,
         lr_factor: float = 0.5,
         snapshot_every: int = 25,
+        patience: int = 5,
     ) -> None:
         if action not in ACTIONS:
             raise ValueError(f"`action={action!r}` is not supported; allowed: {', '.join(ACTIONS)}.")
@@ -65,66 +90,153 @@ class DivergenceGuard(Callback):
             raise ValueError(f"`spike_factor` must be > 1, got {spike_factor!r}.")
         if not 0 < lr_factor <= 1:
             raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
-        for name, value in (("window", window), ("snapshot_every", snapshot_every)):
+        for name, value in (("window", window), ("snapshot_every", snapshot_every), ("patience", patience)):
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
         if isinstance(warmup, bool) or int(warmup) != warmup or warmup < 0:
             raise ValueError(f"`warmup` must be an integer >= 0, got {warmup!r}.")
         self.action, self.spike_factor, self.lr_factor = action, float(spike_factor), float(lr_factor)
         self.window, self.warmup, self.snapshot_every = int(window), int(warmup), int(snapshot_every)
+        self.patience = int(patience)
         self.events: list[dict[str, Any]] = []
         self._losses: deque[float] = deque(maxlen=self.window)
         self._loss: float | None = None
         self._good_steps = 0
-        self._good = False
+        self._spikes = 0  # consecutive spikes so far
         self._snapshot: dict[str, Any] | None = None
+        self._vetoed: set[int] = set()  # ids of the optimizers whose current step must not happen
+        self._wrapped: dict[int, tuple[Optimizer, Any, Any]] = {}  # id -> (optimizer, own `step` or None, wrapper)
+
+    # ------------------------------------------------------------------------------ setup & teardown
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in `setup`: the strategy has built the optimizers (and their schedulers) by now.
+        self._unwrap()
+        for optimizer in trainer.optimizers:
+            self._wrap(optimizer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._unwrap()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._unwrap()
+
+    def _wrap(self, optimizer: Optimizer) -> None:
+        own = optimizer.__dict__.get("step")  # e.g. an LR scheduler's step counter, itself a wrapper
+        inner = optimizer.step
+
+        def step(opt: Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+            return self._guarded_step(opt, inner, closure, **kwargs)
+
+        if hasattr(inner, "_wrapped_by_lr_sched"):  # else the scheduler warns that the step was overridden
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        # A bound method, as torch's LR schedulers expect when they wrap `step` in turn.
+        wrapper = types.MethodType(step, optimizer)
+        optimizer.step = wrapper  # type: ignore[method-assign]
+        self._wrapped[id(optimizer)] = (optimizer, own, wrapper)
+
+    def _unwrap(self) -> None:
+        for optimizer, own, wrapper in self._wrapped.values():
+            if optimizer.__dict__.get("step") is not wrapper:
+                continue  # wrapped again by someone else since: the wrapper stays, a pass-through
+            if own is None:
+                del optimizer.__dict__["step"]
+            else:
+                optimizer.step = own  # type: ignore[method-assign]
+        self._wrapped = {}
+        self._vetoed = set()
+
+    def _guarded_step(self, optimizer: Optimizer, inner: Any, closure: Any, **kwargs: Any) -> Any:
+        if closure is None:  # AMP's grad scaler: the closure, and the guard's check, ran already
+            if id(optimizer) in self._vetoed:
+                self._vetoed.discard(id(optimizer))
+                return None
+            return inner(**kwargs)
+        with torch.enable_grad():  # as torch's optimizers call the closure
+            result = closure()
+        if id(optimizer) in self._vetoed:
+            self._vetoed.discard(id(optimizer))
+            return result
+        calls = 0
+
+        def replay() -> Any:  # the closure's first call has run; later ones (LBFGS) run it again
+            nonlocal calls
+            calls += 1
+            return result if calls == 1 else closure()
+
+        return inner(closure=replay, **kwargs)
 
     # ----------------------------------------------------------------------------------- hooks
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        # Lightning has divided each micro-batch's loss by accumulate_grad_batches: the sum is the mean
+        # loss of the update (a non-finite one stays non-finite).
         value = float(loss.detach())
-        # Accumulation: the worst micro-batch decides.
-        self._loss = value if self._loss is None or not math.isfinite(value) else max(self._loss, value)
+        self._loss = value if self._loss is None else self._loss + value
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        self._vetoed.discard(id(optimizer))
         loss, self._loss = self._loss, None
-        reason = self._problem(loss, optimizer)
-        self._good = reason is None
+        loss, non_finite_loss, non_finite_grad = self._agree(trainer, loss, _has_non_finite_gradient(optimizer))
+        reason, clean = self._judge(loss, non_finite_loss, non_finite_grad, trainer.world_size)
         if reason is None:
-            if loss is not None:
-                self._losses.append(loss)
-            self._good_steps += 1
+            if clean:
+                # Before the update: the state this step's good loss was measured on.
+                if self.action == "rollback" and (self._snapshot is None or self._good_steps % self.snapshot_every == 0):
+                    self._snapshot = self._take_snapshot(optimizer, trainer.global_step)
+                self._good_steps += 1
             return
         step = trainer.global_step
         # A non-finite loss is kept as text: summary.json stays standard JSON.
         event = {"step": step, "reason": reason, "action": self.action,
                  "loss": loss if loss is None or math.isfinite(loss) else str(loss)}
         self.events.append(event)
-        _clear_gradients(optimizer)
+        self._vetoed.add(id(optimizer))
+        _clear_gradients(optimizer)  # the wrapper skips the step; this covers a strategy that bypasses it
         if self.action == "rollback":
             event["restored"] = self._restore(trainer, optimizer)
+            self._spikes = 0
         elif self.action == "stop":
             trainer.should_stop = True
         rank_zero_warn(f"DivergenceGuard: step {step}: {reason}; {self._describe(event)}.")
         pl_module.log("guard/events", float(len(self.events)), on_step=True, on_epoch=False)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # After a good update: the state a later rollback returns to (every `snapshot_every` good steps).
-        if self.action == "rollback" and self._good and (self._snapshot is None or self._good_steps % self.snapshot_every == 0):
-            self._snapshot = self._take_snapshot(trainer.optimizers[0], trainer.global_step)
-        self._good = False
-
     # --------------------------------------------------------------------------------- checks
-    def _problem(self, loss: float | None, optimizer: Optimizer) -> str | None:
-        if loss is not None and not math.isfinite(loss):
-            return f"non-finite loss {loss}"
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(grads)).tolist()):
-            return "non-finite gradient"
+    @staticmethod
+    def _agree(trainer: Trainer, loss: float | None, non_finite_grad: bool) -> tuple[float | None, int, bool]:
+        """The mean loss over the ranks, how many ranks saw a non-finite loss, and whether any saw a
+        non-finite gradient (under FSDP each rank checks its own shards): the same on every rank."""
+        finite = loss is not None and math.isfinite(loss)
+        if trainer.world_size == 1:
+            return loss, int(loss is not None and not finite), non_finite_grad
+        flags = torch.tensor([float(loss is not None), loss if finite else 0.0, float(loss is not None and not finite),
+                              float(non_finite_grad)], dtype=torch.float64, device=trainer.strategy.root_device)
+        # One all-reduce, whose result is the same on every rank: so are the statistic and the decision.
+        counted, total, non_finite, bad_grad = trainer.strategy.reduce(flags, reduce_op="sum").tolist()
+        if non_finite:
+            return math.nan, int(non_finite), bad_grad > 0
+        return (total / counted if counted else None), 0, bad_grad > 0
+
+    def _judge(
+        self, loss: float | None, non_finite_loss: int, non_finite_grad: bool, world: int = 1
+    ) -> tuple[str | None, bool]:
+        """Updates the running statistic; returns the reason to act (``None``: let the step through) and
+        whether the step was clean (no spike)."""
+        if non_finite_loss:
+            where = f" on {non_finite_loss} of {world} processes" if world > 1 else ""
+            return f"non-finite loss {loss}{where}", False
+        if non_finite_grad:
+            return "non-finite gradient", False
+        spike = None
         if loss is not None and self._good_steps >= self.warmup and self._losses:
             median = statistics.median(self._losses)
             if median > 0 and loss > self.spike_factor * median:
-                return f"loss spike {loss:.4g} > {self.spike_factor:g} x running median {median:.4g}"
-        return None
+                spike = f"loss spike {loss:.4g} > {self.spike_factor:g} x running median {median:.4g}"
+        self._spikes = self._spikes + 1 if spike else 0
+        if spike and self._spikes >= self.patience:
+            return spike + (f" for {self._spikes} consecutive steps" if self.patience > 1 else ""), False
+        if loss is not None:
+            self._losses.append(loss)
+        return None, spike is None
 
     def _describe(self, event: dict[str, Any]) -> str:
         if self.action == "skip":
@@ -161,12 +273,21 @@ class DivergenceGuard(Callback):
 
     # ---------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"events": list(self.events), "losses": list(self._losses), "good_steps": self._good_steps}
+        return {"events": list(self.events), "losses": list(self._losses), "good_steps": self._good_steps,
+                "spikes": self._spikes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.events = list(state_dict["events"])
         self._losses = deque(state_dict["losses"], maxlen=self.window)
         self._good_steps = int(state_dict["good_steps"])
+        self._spikes = int(state_dict.get("spikes", 0))  # absent from states saved before `patience` existed
+
+
+def _has_non_finite_gradient(optimizer: Optimizer) -> bool:
+    # A sharded (DTensor) gradient is checked on this rank's shard; the ranks' answers are then all-reduced.
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
 
 def _clear_gradients(optimizer: Optimizer) -> None:
