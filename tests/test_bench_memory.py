@@ -14,6 +14,10 @@ TINY_QWEN2 = {
 }
 
 
+#: Upper bound on the memory a tiny-shape run adds to the bare torch import, in MiB (measured: about 35).
+MODEL_AND_TRAINING_BOUND_MB = 200
+
+
 def spec(arm: str, folder: Path | None) -> dict:
     return {"arm": arm, "model_config": TINY_QWEN2, "folder": str(folder) if folder else None, "fmt": "int4",
             "group_size": 32, "fraction": 0.5, "backward": "truncated", "seq_len": 16, "rank": 4, "warmup": 1,
@@ -25,6 +29,12 @@ def spec(arm: str, folder: Path | None) -> dict:
 def test_mebp_arms_build_the_random_init_from_the_shape_config(tmp_path: Path, arm: str) -> None:
     figures = memory.measure(spec(arm, None), tmp_path / "memory.json", timeout=600)
     assert figures["arm"] == arm
-    assert figures["peak_rss_mb"] >= figures["rss_after_load_mb"] >= figures["rss_after_import_mb"] > 0
+    # torch alone makes a resident process of hundreds of MiB; loading the model (and the libraries it needs)
+    # and then training it each raise the resident size
+    assert 100 < figures["rss_after_import_mb"] < figures["rss_after_load_mb"] < figures["peak_rss_mb"]
     assert figures["model_and_training_mb"] == pytest.approx(figures["peak_rss_mb"] - figures["rss_after_import_mb"], abs=0.2)
+    # The tiny model's weights, LoRA and AdamW state take under 2 MiB; what the run adds over the bare torch
+    # import is Lightning's and the loader's imports and allocator slack (about 35 MiB measured), far under
+    # this bound, which a unit slip (KiB read as MiB, x1024) or a baseline read before torch's import breaks.
+    assert figures["model_and_training_mb"] < MODEL_AND_TRAINING_BOUND_MB
     assert figures["mebp/decompress_bwd_ms"] > 0

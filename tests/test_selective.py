@@ -173,7 +173,7 @@ def test_identity_path_errors() -> None:
         selective.blocks[0](torch.randn(2, 4, requires_grad=True))
     with pytest.raises(RuntimeError, match="Linear already has the forward layer 'lcsb_selective' installed"):
         SelectiveBackprop(selective.blocks)
-    with pytest.raises(ValueError, match="`backward='approx'` is not supported; allowed: identity, exact"):
+    with pytest.raises(ValueError, match=r"`backward='approx'` is not supported; allowed: identity, exact\.$"):
         SelectiveBackprop(selective.blocks, backward="approx")
 
 
@@ -207,34 +207,64 @@ def test_identity_path_on_hf_architectures(arch: str) -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
+def _controller_grads(model: nn.Module, backward: str, step: int, ids: torch.Tensor) -> tuple[tuple[int, ...], list[list[torch.Tensor]]]:
+    """The gradients LCSB hands the optimizer at ``step`` of a layer-cyclic k=1 run: per block, per parameter."""
+    from lcsb_lightning.controller import LCSBController
+    from lcsb_lightning.policies import CyclicPolicy
+
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward=backward)
+    blocks = controller.block_params.params_per_block
+    optimizer = torch.optim.AdamW([p for params in blocks for p in params], lr=1e-3)
+    selection = controller.begin_step(step, [optimizer])
+    model(input_ids=ids, labels=ids).loss.backward()
+    controller.before_optimizer_step(optimizer)
+    controller.release()
+    return selection, [[p.grad.clone() for p in params] for params in blocks]
 
 
-def test_top_down_selections_train_the_same_with_the_exact_and_the_truncated_backward() -> None:
-    """Dyadic selects contiguous top blocks, so the lowest selected block is the lowest one the backward
-    passes and both modes run the same computation: the benchmark's dyadic arms (recorded with
-    ``backward: exact``) are the default's (``truncated``)."""
+@pytest.mark.parametrize("step", [1, 2], ids=lambda s: f"selects_block_{s}")
+def test_exact_trains_only_the_selected_block_and_truncated_every_block_above_it(step: int) -> None:
+    """Cyclic k=1 at step 1 or 2 selects a middle block: not a top range, so the two backward modes
+    differ. The backward runs the same from the top down to the selected block in both; ``exact`` keeps
+    the selected block's gradient only, ``truncated`` also the exact gradients of the blocks above."""
     import copy
 
+    base = tiny_llama_peft(num_layers=4)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+    reference = copy.deepcopy(base)  # full backprop, LCSB never installed
+    reference(input_ids=ids, labels=ids).loss.backward()
+    full = [[p.grad for p in params] for params in map_trainable_params(reference).params_per_block]
+    exact_sel, exact = _controller_grads(copy.deepcopy(base), "exact", step, ids)
+    trunc_sel, trunc = _controller_grads(copy.deepcopy(base), "truncated", step, ids)
+    assert exact_sel == (step,) and trunc_sel == tuple(range(step, 4))
+    # the selected block: the same computation in both modes, bit for bit, and the exact gradient
+    assert all(torch.equal(a, b) for a, b in zip(exact[step], trunc[step]))
+    for got, want in zip(exact[step], full[step]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for block in range(step + 1, 4):  # above it: exact drops the gradients, truncated keeps them (exact)
+        assert all(not g.any() for g in exact[block]), f"exact trained block {block} above its selection"
+        assert all(g.any() for g in trunc[block]), f"truncated left block {block} untrained"
+        for got, want in zip(trunc[block], full[block]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for block in range(step):  # below it: cut in both, zero gradients
+        assert all(not g.any() for g in exact[block]) and all(not g.any() for g in trunc[block])
+
+
+def test_dyadic_selections_are_top_ranges_that_truncation_leaves_unchanged() -> None:
+    """Why the benchmark's dyadic arms (recorded with ``backward: exact``) are the default's
+    (``truncated``): each dyadic selection is already the top range that truncation would make of it."""
     from lcsb_lightning.controller import LCSBController
     from lcsb_lightning.policies import DyadicPolicy
 
-    base = tiny_llama_peft()
-    trained = {}
+    model = tiny_llama_peft(num_layers=8)
+    selections = {}
     for mode in ("exact", "truncated"):
-        model = copy.deepcopy(base)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         controller = LCSBController(model, DyadicPolicy(levels=3), backward=mode)
-        for step in range(4):
-            controller.begin_step(step, [optimizer])
-            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
-            model(input_ids=ids, labels=ids).loss.backward()
-            controller.before_optimizer_step(optimizer)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+        selections[mode] = [controller.begin_step(step, []) for step in range(8)]
         controller.release()
-        trained[mode] = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    assert all(torch.equal(a, b) for a, b in zip(trained["exact"], trained["truncated"]))
-    assert not all(torch.equal(a, b) for a, b in zip(trained["exact"], [p for p in base.parameters() if p.requires_grad]))
+    assert selections["exact"] == selections["truncated"]
+    assert [len(s) for s in selections["exact"]] == [8, 2, 4, 2, 8, 2, 4, 2]
+    assert all(s == tuple(range(8 - len(s), 8)) for s in selections["exact"])
 
 
 def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatment() -> None:
