@@ -10,10 +10,12 @@ from torch import nn
 
 BlocksSpec = Union[str, Callable[[nn.Module], "nn.ModuleList | list[nn.Module]"]]
 
-#: Dotted paths tried in order, relative to the unwrapped model. They cover Llama, Qwen2, Mistral,
+#: Dotted paths tried in order, relative to the unwrapped model, when no ``nn.ModuleList`` holds the block
+#: classes that a Hugging Face model declares (``_no_split_modules``). They cover Llama, Qwen2, Mistral,
 #: Gemma/Gemma2/Gemma3, Phi3 (``model.layers``), GPT-2 and Falcon (``transformer.h``), OPT
 #: (``model.decoder.layers``), GPT-NeoX (``gpt_neox.layers``), multimodal Gemma3 and the bare
-#: backbones (``layers``, ``h``, ``decoder.layers``).
+#: backbones (``layers``, ``h``, ``decoder.layers``); a ``decoder`` path brings its ``encoder``
+#: sibling first (``nn.Transformer``).
 KNOWN_BLOCK_PATHS: tuple[str, ...] = (
     "model.layers",
     "model.language_model.layers",
@@ -70,8 +72,107 @@ def _candidate_roots(model: nn.Module, max_depth: int = 3) -> list[nn.Module]:
     return roots
 
 
+#: A stack of blocks: its dotted path (relative to the model it was found on) and the list.
+Stack = tuple[str, nn.ModuleList]
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    """Names of ``module``'s classes and of the modules that wrappers (``torch.compile``, activation
+    checkpointing, FSDP1) hold; FSDP2's ``FSDP<Block>`` subclasses keep the block class in their MRO."""
+    names: set[str] = set()
+    while module is not None:
+        names.update(cls.__name__ for cls in type(module).__mro__)
+        module = next(
+            (inner for attr in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+             if isinstance(inner := getattr(module, attr, None), nn.Module)),
+            None,
+        )
+    return names
+
+
+def _stacks_of_classes(model: nn.Module, class_names: set[str]) -> list[Stack]:
+    """The non-empty ``nn.ModuleList``s of ``model`` whose items all are of ``class_names``, in the order
+    the model registers them (not one inside another)."""
+    stacks: list[Stack] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(path.startswith(f"{found}.") for found, _ in stacks):
+            continue
+        if all(_class_names(item) & class_names for item in module):
+            stacks.append((path, module))
+    return stacks
+
+
+def _declared_stacks(model: nn.Module) -> tuple[list[Stack], list[Stack]]:
+    """The block stacks a Hugging Face model declares, and those its sub-models declare on top.
+
+    Every ``PreTrainedModel`` class names its block class(es) in ``_no_split_modules`` (both stacks of an
+    encoder-decoder: ``T5Block``; ``BartEncoderLayer`` and ``BartDecoderLayer``). The outermost model's
+    class declares the stacks that make the architecture; the instance also gathers its sub-models'
+    declarations (a vision tower's layers), whose stacks are returned second, as left outside.
+    """
+    for root in _candidate_roots(model):
+        declared = getattr(type(root), "_no_split_modules", None)
+        if not declared:
+            continue
+        stacks = _stacks_of_classes(root, set(declared))
+        gathered = set(getattr(root, "_no_split_modules", None) or ()) - set(declared)
+        found = {id(stack) for _, stack in stacks}
+        outside = [s for s in _stacks_of_classes(root, gathered) if id(s[1]) not in found] if gathered else []
+        return stacks, outside
+    return [], []
+
+
+def _known_path_stacks(model: nn.Module) -> list[Stack]:
+    """The first of :data:`KNOWN_BLOCK_PATHS` found, led by its ``encoder`` sibling where the path is a
+    ``decoder``'s (``nn.Transformer``: ``encoder.layers`` then ``decoder.layers``)."""
+    for candidate in _candidate_roots(model):
+        for path in KNOWN_BLOCK_PATHS:
+            found = _get_dotted(candidate, path)
+            if isinstance(found, nn.ModuleList) and len(found) > 0:
+                parts = path.split(".")
+                if len(parts) >= 2 and parts[-2] == "decoder":
+                    sibling = ".".join([*parts[:-2], "encoder", parts[-1]])
+                    encoder = _get_dotted(candidate, sibling)
+                    if isinstance(encoder, nn.ModuleList) and len(encoder) > 0:
+                        return [(sibling, encoder), (path, found)]
+                return [(path, found)]
+    return []
+
+
+def _describe(stacks: list[Stack]) -> str:
+    return ", ".join(f"{path} ({len(stack)} x {type(stack[0]).__name__})" for path, stack in stacks)
+
+
+def _report(stacks: list[Stack], outside: list[Stack]) -> None:
+    """Say which stacks make the block list when it is not one obvious stack."""
+    if len(stacks) < 2 and not outside:
+        return
+    # Lightning's logger is the one a fit shows; imported here to keep `import lcsb_lightning` light.
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    if len(stacks) > 1:
+        message = (
+            f"LCSB: one list of blocks from {len(stacks)} stacks, in execution order: {_describe(stacks)} "
+            "(the backward from the loss reaches the last ones first)"
+        )
+    else:
+        message = f"LCSB: blocks {_describe(stacks)}"
+    if outside:
+        message += f"; left outside the blocks, never selected: {_describe(outside)}"
+    rank_zero_info(message + ".")
+
+
 def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module]:
     """Return the ordered transformer blocks of ``model``.
+
+    ``"auto"`` takes, in this order of preference: the ``nn.ModuleList`` objects whose items are of the block
+    classes a Hugging Face model declares (``_no_split_modules``), one of :data:`KNOWN_BLOCK_PATHS`
+    (a ``decoder`` path led by its ``encoder`` sibling), the longest ``nn.ModuleList`` of same-class
+    modules. An encoder-decoder's blocks come as one list in execution order, encoder blocks first,
+    so that the top of the list is the decoder's top, nearest the loss; the stacks are then named in
+    an info message, as are the stacks of sub-models (a vision tower) left outside.
 
     Args:
         model: A Hugging Face model (optionally wrapped by peft) or a plain torch model.
@@ -107,19 +208,21 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module
         raise ValueError(
             f"`blocks={blocks!r}` does not name a non-empty nn.ModuleList on {type(base).__name__}."
         )
-    for candidate in _candidate_roots(base):
-        for path in KNOWN_BLOCK_PATHS:
-            found_obj = _get_dotted(candidate, path)
-            if isinstance(found_obj, nn.ModuleList) and len(found_obj) > 0:
-                return list(found_obj)
-    fallback = _largest_homogeneous_module_list(base)
-    if fallback is not None:
-        return list(fallback)
-    raise ValueError(
-        f"Could not find the transformer blocks of {type(base).__name__}: tried the attributes "
-        f"{', '.join(KNOWN_BLOCK_PATHS)} and any nn.ModuleList of same-class modules. Pass "
-        "`blocks='dotted.path.to.ModuleList'` or `blocks=lambda model: [...]`."
-    )
+    stacks, outside = _declared_stacks(base)
+    if not stacks:
+        stacks = _known_path_stacks(base)
+    if not stacks:
+        fallback = _largest_homogeneous_module_list(base)
+        if fallback is None:
+            raise ValueError(
+                f"Could not find the transformer blocks of {type(base).__name__}: tried the attributes "
+                f"{', '.join(KNOWN_BLOCK_PATHS)}, the block classes a Hugging Face model names in "
+                "`_no_split_modules` and any nn.ModuleList of same-class modules. Pass "
+                "`blocks='dotted.path.to.ModuleList'` or `blocks=lambda model: [...]`."
+            )
+        stacks = [("", fallback)]
+    _report(stacks, outside)
+    return [block for _, stack in stacks for block in stack]
 
 
 @dataclass
@@ -134,9 +237,6 @@ class BlockParams:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-    def all_block_params(self) -> list[nn.Parameter]:
-        return [p for params in self.params_per_block for p in params]
 
 
 def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> BlockParams:
