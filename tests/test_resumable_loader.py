@@ -66,3 +66,23 @@ def test_resume_reads_the_batches_of_the_uninterrupted_run(tmp_path: Path, step:
     assert state[0]["sampler_epoch"] == (step - 1) // (SIZE // BATCH)
     assert state[0]["_num_yielded"] == (step - 1) % (SIZE // BATCH) + 1  # no batch fetched ahead
     assert _fit(tmp_path / "resumed", resume=checkpoint) == full[step:]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_with_the_distributed_sampler_lightning_injects(rank: int) -> None:
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    def injected() -> Any:  # what Lightning does to the training loader under DDP (2 ranks)
+        sampler = DistributedSampler(list(range(SIZE)), num_replicas=2, rank=rank, shuffle=True, seed=SEED)
+        return _update_dataloader(_loader(), sampler)
+
+    loader = injected()
+    _set_sampler_epoch(loader, 1)
+    epoch = [batch.tolist() for batch in loader]
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    resumed = injected()  # a new process: the sampler is at epoch 0 until Lightning's set_epoch, after iter()
+    resumed.load_state_dict(state)
+    assert [batch.tolist() for batch in resumed] == epoch[1:]

@@ -108,16 +108,24 @@ class ResumableLoader(StatefulDataLoader):
     the start of the next one. Takes ``StatefulDataLoader``'s arguments (pass ``sampler=EpochShuffle(...)``).
     """
 
+    def _epoch_sampler(self) -> Any:
+        # Lightning puts its DistributedSampler inside the batch sampler (torchdata's BatchSampler is not torch's)
+        for sampler in (getattr(self.batch_sampler, "sampler", None), self.sampler):
+            if callable(getattr(sampler, "set_epoch", None)):
+                return sampler
+        return None
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), _EPOCH: int(getattr(self.sampler, "epoch", 0))}
+        sampler = self._epoch_sampler()
+        return {**super().state_dict(), _EPOCH: int(getattr(sampler, "epoch", 0))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
-        epoch = state.pop(_EPOCH, None)
-        if epoch is not None and callable(getattr(self.sampler, "set_epoch", None)):
+        epoch, sampler = state.pop(_EPOCH, None), self._epoch_sampler()
+        if epoch is not None and sampler is not None:
             if state.get(_YIELDED, 0) >= len(self):  # the epoch was over: the next one starts afresh
                 epoch, state = epoch + 1, {}
-            self.sampler.set_epoch(int(epoch))
+            sampler.set_epoch(int(epoch))
         super().load_state_dict(state)
 
 
