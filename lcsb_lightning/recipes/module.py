@@ -6,6 +6,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from lightning import LightningModule
 from torch import nn
@@ -39,6 +40,39 @@ def check_adapter(path: str) -> None:
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ValueError(f"init_adapter={path!r}: {type(exc).__name__} reading it ({exc}); the adapter is truncated "
                          "or corrupted") from exc
+
+
+def rng_states() -> dict[str, Any]:
+    """The random states a resumed run needs to draw what the uninterrupted one would: torch's CPU
+    generator, every CUDA device's (when CUDA is available), Python's and numpy's global ones."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": _numpy_state(),
+    }
+
+
+def _numpy_state() -> tuple[str, torch.Tensor, int, int, float]:
+    # numpy's key as a tensor: a checkpoint must load with torch.load(weights_only=True), which refuses ndarrays
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    return str(name), torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Restore :func:`rng_states` (a checkpoint without the CUDA or numpy entries restores the others).
+
+    CUDA states are restored on the devices present, in order (a checkpoint of more devices than this
+    machine has restores the first ones)."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        name, key, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    cuda = list(states.get("cuda", []))
+    if cuda and torch.cuda.is_available():
+        for device, state in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 class CausalLMModule(LightningModule):
@@ -227,7 +261,7 @@ class CausalLMModule(LightningModule):
         """Keep the trainable (LoRA) tensors only, and the RNG states: a LoRA-sized, resumable checkpoint."""
         keys = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
-        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        checkpoint["rng_states"] = rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint that lacks a trainable tensor of this model (a different LoRA configuration)."""
@@ -239,8 +273,7 @@ class CausalLMModule(LightningModule):
             )
         states = checkpoint.get("rng_states")
         if states:
-            torch.set_rng_state(states["torch"])
-            random.setstate(states["python"])
+            set_rng_states(states)
 
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:
