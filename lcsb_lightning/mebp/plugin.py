@@ -26,12 +26,17 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 
 
+#: The Trainer precisions QuantizedMeBP runs with.
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
 class QuantizedMeBP(Precision):
     """Memory-efficient backprop (MeBP) on 4-bit frozen weights, as a Trainer plugin.
 
     ``convert_module`` compresses the frozen Linears of the transformer blocks (and with
     ``compress_embeddings`` the input embedding and LM head) to ``fmt``, installs per-block
-    checkpointing and the optional mmap offload; computation stays float32. Conversion happens in
+    checkpointing and the optional mmap offload; computation stays float32 (or runs under bfloat16
+    autocast with ``precision="bf16-mixed"``). Conversion happens in
     ``Trainer.fit`` before the strategy wraps the model, so it works with single-device and DDP
     strategies alike. Composes with ``LCSBCallback``: a block LCSB skips is neither recomputed nor
     decompressed in backward.
@@ -58,6 +63,8 @@ class QuantizedMeBP(Precision):
         sync_timing: Synchronise the device before and after every timed decompression, recompute and
             backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
             with CUDA events read when the figures are logged, and CPU work with the wall clock.
+        precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
+            ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
 
     Example::
 
@@ -80,6 +87,7 @@ class QuantizedMeBP(Precision):
         keep_recomputed_weights: bool = True,
         release_heap: bool = True,
         sync_timing: bool = False,
+        precision: str = "32-true",
     ) -> None:
         ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
         validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
@@ -89,6 +97,9 @@ class QuantizedMeBP(Precision):
         if not isinstance(sync_timing, bool):
             raise TypeError(f"`sync_timing` must be a bool, got {sync_timing!r}.")
         self.sync_timing = sync_timing
+        if precision not in PRECISIONS:
+            raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
+        self.precision = precision  # type: ignore[assignment]
         self.fmt = fmt
         self.group_size = group_size
         self.checkpoint = checkpoint
@@ -135,6 +146,17 @@ class QuantizedMeBP(Precision):
         """The current offload directory (``None`` without ``offload="mmap"``)."""
         state = mebp_state(self._module) if self._module is not None else None
         return state.offload.path if state is not None and state.offload is not None else None
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """bfloat16 autocast with ``precision="bf16-mixed"`` (on the model's device), nothing with ``"32-true"``."""
+        if self.precision != "bf16-mixed":
+            with super().forward_context():
+                yield
+            return
+        device = getattr(self._module, "device", torch.device("cpu"))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
 
     @contextlib.contextmanager
     def val_step_context(self) -> Generator[None, None, None]:

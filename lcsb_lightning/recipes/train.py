@@ -107,10 +107,30 @@ def _tokens(batch: Any) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def _node(cfg: DictConfig, key: str) -> Any:
-    """The instantiated config group ``key``, or None where the option has no ``_target_`` (``none``)."""
+def _node(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """The instantiated config group ``key`` (with ``kwargs``), or None where the option has no ``_target_`` (``none``)."""
     node = cfg.get(key)
-    return build(node) if node is not None and "_target_" in node else None
+    return build(node, **kwargs) if node is not None and "_target_" in node else None
+
+
+def mebp_precision(cfg: DictConfig) -> str | None:
+    """The ``trainer.precision`` the QuantizedMeBP plugin takes over (None without ``mebp``), in Lightning's
+    full spelling (``32`` -> ``32-true``, ``bf16`` -> ``bf16-mixed``).
+
+    Raises:
+        ValueError: a precision the plugin does not run with.
+    """
+    node = cfg.get("mebp")
+    if node is None or "_target_" not in node:
+        return None
+    from lcsb_lightning.mebp.plugin import PRECISIONS
+
+    value = str(cfg.trainer.get("precision", "32-true"))
+    precision = {"32": "32-true", "bf16": "bf16-mixed"}.get(value, value)
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={value!r} with mebp (QuantizedMeBP) is not supported; allowed: "
+                         f"{', '.join(PRECISIONS)}")
+    return precision
 
 
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
@@ -136,10 +156,10 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
     plugins: list[Any] = [AtomicCheckpointIO()]
-    mebp = _node(cfg, "mebp")
+    mebp = _node(cfg, "mebp", precision=mebp_precision(cfg))
     if mebp is not None:
         plugins.append(mebp)
-    extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin sets the precision
+    extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin takes trainer.precision
     trainer: L.Trainer = build(
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(output_dir), **extra
     )
@@ -204,6 +224,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     """
     start = time.perf_counter()
     validate_config(cfg)
+    mebp_precision(cfg)
     out = Path(output_dir)
     checkpoint = resolve_checkpoint(cfg.resume) if cfg.get("resume") else None
     if checkpoint is not None:
