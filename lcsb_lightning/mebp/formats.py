@@ -11,11 +11,33 @@ float32 tensor of scales, so rows (embedding lookups, output chunks) can be dequ
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+
+class _NoCPUKernelNotice(logging.Filter):
+    """Drops bitsandbytes' warning, logged on import on CPUs with AVX512-BF16, that its optional CPU
+    4-bit matmul kernel (fetched from the hub by the ``kernels`` package) is missing. Nothing here uses
+    it (on CPU the 4-bit formats decompress in plain torch), and peft imports bitsandbytes in every
+    LoRA run, 4-bit or not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def _quiet_bitsandbytes_cpu_notice() -> None:
+    # On the logger that emits it: a filter on the "bitsandbytes" parent would not see its children's records.
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(existing, _NoCPUKernelNotice) for existing in logger.filters):
+        logger.addFilter(_NoCPUKernelNotice())
+
+
+_quiet_bitsandbytes_cpu_notice()
+
 
 #: Formats accepted by ``fmt=``.
 FORMATS: tuple[str, ...] = ("int4", "nf4", "fp4")
