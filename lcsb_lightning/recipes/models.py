@@ -171,8 +171,9 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     try:
         _probe_hub(constants.ENDPOINT, timeout)
     except Exception as exc:  # any failure means the same: do not try the hub
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"{constants.ENDPOINT} did not answer within {timeout:g} s ({reason})"
+        if "Timeout" in type(exc).__name__:
+            return f"{constants.ENDPOINT}: no answer within {timeout:g} s"
+        return f"{constants.ENDPOINT}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return None
 
 
@@ -210,12 +211,12 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
             if offline is None:
                 why_not_hub = f"{SMOLLM2_HUB_ID} could not be loaded ({str(exc).splitlines()[0]})"
             else:
-                why_not_hub = f"the Hugging Face hub is not reachable: {offline}; {SMOLLM2_HUB_ID} is not in its local cache"
+                why_not_hub = f"the Hugging Face hub is offline ({offline}) and {SMOLLM2_HUB_ID} is not in its local cache"
             if source == "hub":
                 raise OSError(f"model.source=hub: {why_not_hub}. Use model.source=gguf (offline) or auto.") from exc
         else:
             where = "the Hugging Face hub (or its local cache)" if offline is None else (
-                f"the local Hugging Face cache (the hub is not reachable: {offline})")
+                f"the local Hugging Face cache (the hub is offline: {offline})")
             log.info("model: %s from %s", SMOLLM2_HUB_ID, where)
             bundle.name = "SmolLM2-135M-Instruct"
             return bundle
