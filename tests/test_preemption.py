@@ -27,19 +27,25 @@ SIGNAL_AT = 4  # the signal arrives during the training step that reaches this g
 
 
 class Losses(Callback):
-    """Records the training loss of every step; sends ``signum`` to this process during step ``at``."""
+    """Records the training loss of every step; sends ``signum`` to this process ``when``: during step ``at``,
+    during the validation after step ``at``, or at the end of training."""
 
-    def __init__(self, signum: int | None = None, at: int = SIGNAL_AT, in_validation: bool = False) -> None:
-        self.signum, self.at, self.in_validation = signum, at, in_validation
+    def __init__(self, signum: int | None = None, at: int = SIGNAL_AT, when: str = "step") -> None:
+        self.signum, self.at, self.when = signum, at, when
         self.losses: list[float] = []
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.signum is not None and not self.in_validation and trainer.global_step == self.at - 1:
+    def _send(self, when: str, trainer: Any, step: int) -> None:
+        if self.signum is not None and self.when == when and trainer.state.fn == "fit" and trainer.global_step == step:
             os.kill(os.getpid(), self.signum)
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._send("step", trainer, self.at - 1)
+
     def on_validation_batch_start(self, trainer: Any, *args: Any) -> None:
-        if self.signum is not None and self.in_validation and trainer.state.fn == "fit" and trainer.global_step == self.at:
-            os.kill(os.getpid(), self.signum)
+        self._send("validation", trainer, self.at)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._send("end", trainer, trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -93,14 +99,22 @@ def test_signal_writes_a_checkpoint_and_resume_continues_exactly(tmp_path: Path,
     _assert_same_end(out, summary, reference)
 
 
-def test_signal_during_validation_keeps_the_latest_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("when", "saved"), [("validation", 3), ("end", 8)])  # FAST validates every 2 steps
+def test_signal_outside_a_training_step(tmp_path: Path, reference, when: str, saved: int) -> None:
+    """During validation: it finishes and the run stops after the next step; after the last step: the end state."""
     out = tmp_path / "run"
+    cfg = compose_cfg(OVERRIDES)
+    stopped = Losses(signal.SIGTERM, at=2, when=when)
     with pytest.raises(Preempted) as raised:
-        run_finetune(compose_cfg([*OVERRIDES, "checkpoint_every=2"]), out,
-                     extra_callbacks=[Losses(signal.SIGTERM, at=SIGNAL_AT, in_validation=True)])
-    assert raised.value.code == 143
-    assert _step(out / "checkpoints" / "last.ckpt") == SIGNAL_AT  # the periodic one, written before validation
-    assert "no checkpoint was written on the signal" in caplog.text and not (out / "summary.json").exists()
+        run_finetune(cfg, out, extra_callbacks=[stopped])
+    assert raised.value.code == 143 and _step(out / "checkpoints" / "last.ckpt") == saved == len(stopped.losses)
+    assert not (out / "summary.json").exists()
+
+    cfg.resume = str(out)
+    resumed = Losses()
+    summary = run_finetune(cfg, out, extra_callbacks=[resumed])
+    assert stopped.losses + resumed.losses == reference[2]
+    _assert_same_end(out, summary, reference)
 
 
 def test_sigterm_to_the_lcsb_finetune_process(tmp_path: Path) -> None:

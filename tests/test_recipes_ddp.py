@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
@@ -61,7 +62,10 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
-def test_killed_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.slow)])
+def test_stopped_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path, stop: str) -> None:
+    """SIGKILL to both processes after a checkpoint, or SIGTERM to the first (Lightning passes it on): the
+    preemption checkpoint of that step, exit status 143."""
     steps = 40
     overrides = [*BASE, f"trainer.max_steps={steps}", "checkpoint_every=5"]
     started = time.perf_counter()
@@ -79,9 +83,13 @@ def test_killed_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> N
     while _checkpoint_step(last) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # both ranks: the second is a child of the first, in its process group
-    proc.wait()
+    if stop == "SIGKILL":
+        os.killpg(proc.pid, signal.SIGKILL)  # both ranks: the second is a child of the first, in its process group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait(timeout=300)
     log.close()
+    assert code == (-signal.SIGKILL if stop == "SIGKILL" else 143), (tmp_path / "killed.log").read_text()[-4000:]
     step = _checkpoint_step(last)
     assert 5 <= step < steps and not (killed / "summary.json").exists(), "the run was not killed mid-way"
 
@@ -103,5 +111,5 @@ def test_killed_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> N
     assert len(reference_losses) == steps and losses == reference_losses
     a, b = _adapter(killed), _adapter(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    print(f"killed at step {step}; reference {reference_seconds:.1f} s, resume {resumed_seconds:.1f} s; "
+    print(f"{stop} at step {step}; reference {reference_seconds:.1f} s, resume {resumed_seconds:.1f} s; "
           f"max |adapter diff| {max(float((a[k] - b[k]).abs().max()) for k in a):.3g}")

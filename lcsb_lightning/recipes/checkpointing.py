@@ -18,14 +18,15 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -105,7 +106,8 @@ class ResumableLoader(StatefulDataLoader):
     under DDP it injects a ``DistributedSampler`` (re-creating this loader with the same arguments).
     The epoch is saved too because that iterator is created, permutation included, before Lightning
     calls ``set_epoch`` on a resume; a checkpoint written after the last batch of an epoch resumes at
-    the start of the next one. Takes ``StatefulDataLoader``'s arguments (pass ``sampler=EpochShuffle(...)``).
+    the start of the next one (told by the single-process iterator's state: the recipes load with
+    ``num_workers=0``). Takes ``StatefulDataLoader``'s arguments (pass ``sampler=EpochShuffle(...)``).
     """
 
     def _epoch_sampler(self) -> Any:
@@ -134,16 +136,17 @@ class Preempted(SystemExit):
     SIGTERM, 130 for SIGINT), as a shell reports a process ended by that signal."""
 
 
-class PreemptionCheckpoint(Callback):
-    """On SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C), write the resumable checkpoint ``path`` after
-    the current training step and stop.
+class PreemptionCheckpoint(Checkpoint):
+    """On SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C), write the resumable checkpoint ``path`` at the
+    end of the current training step and stop the fit with Lightning's ``SIGTERMException`` before the next.
 
-    Builds on Lightning's SIGTERM handling (``trainer.received_sigterm``: forwarded to the other local
-    processes, broadcast across ranks, training stops with ``SIGTERMException``): SIGINT goes to the same
-    handler, so one Ctrl-C stops as cleanly and a second one interrupts at once. The checkpoint is written
-    at the end of the training batch, where the periodic ones are, so a resume reads exactly the batches
-    an uninterrupted run would. A signal during validation stops the run at once; the latest periodic
-    checkpoint is then the one to resume from.
+    The checkpoint is written where the periodic ones are, so a resume reads exactly the batches an
+    uninterrupted run would; a signal during validation lets it finish and stops after the next step.
+    Under DDP the ranks decide together at that point (any rank signalled: all save and stop), so a
+    signal to one process suffices. During training this replaces Lightning's own SIGTERM handler, whose
+    cross-rank broadcast from inside the handler can pair with another collective and hang the ranks.
+    A second Ctrl-C interrupts at once. A ``Checkpoint`` callback, it runs after the other callbacks'
+    ``on_train_batch_end`` (as ``ModelCheckpoint`` does), so its checkpoint holds what theirs would.
 
     Args:
         path: Where the checkpoint goes (the recipe's ``checkpoints/last.ckpt``).
@@ -160,30 +163,28 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        lightning = signal.getsignal(signal.SIGTERM)  # Lightning's, registered before training starts
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, self._handler(lightning))
+            signal.signal(signum, self._handle)
 
-    def _handler(self, lightning: Any) -> Callable[[int, FrameType | None], None]:
-        def handle(signum: int, frame: FrameType | None) -> None:
-            if signum == signal.SIGINT and self.signum is not None:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self.signum = self.signum or signum
-            log.warning("received %s: the run stops after this training step with a checkpoint",
-                        signal.Signals(signum).name)
-            if callable(lightning):
-                lightning(signal.SIGTERM, frame)
-
-        return handle
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = self.signum or signum
+        log.warning("received %s: the run stops after this training step with a checkpoint", signal.Signals(signum).name)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        stop = bool(trainer.received_sigterm)
+        stop = self.signum is not None
         if trainer.world_size > 1:  # every rank takes part in the save: decide together
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop and self.saved_step != trainer.global_step:
+        if stop:
             trainer.save_checkpoint(self.path)
             self.saved_step = int(trainer.global_step)
+            self.signum = self.signum or signal.SIGTERM  # a rank told by another
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.saved_step is not None:  # stop once the saved step is logged (and validated, when due)
+            raise SIGTERMException
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for signum, handler in self._previous.items():

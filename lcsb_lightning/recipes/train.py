@@ -188,16 +188,24 @@ def _hydra_choices() -> dict[str, Any]:
     return {}
 
 
-def _stop_if_preempted(trainer: L.Trainer, out: Path) -> None:
-    """Raise :class:`Preempted` (exit status ``128 + signal``) when a signal stopped the fit, naming the
-    checkpoint to resume from; the adapter and the summary are not written."""
+def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None:
+    """Raise :class:`Preempted` (exit status ``128 + signal``) when a signal came during the fit, naming the
+    checkpoint to resume from; the adapter and the summary are not written.
+
+    A signal after the last training step (``interrupted`` False: the fit ended) gets the end checkpoint."""
     preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
-    if not trainer.received_sigterm and (preemption is None or preemption.signum is None):
+    signalled = trainer.received_sigterm or (preemption is not None and preemption.signum is not None)
+    if trainer.world_size > 1:  # the ranks stop, and save, together
+        signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
+    if not signalled:
         return
     last = out / CHECKPOINT_DIR / LAST
+    if preemption is not None and preemption.saved_step is None and not interrupted:
+        trainer.save_checkpoint(last)
+        preemption.saved_step = int(trainer.global_step)
     if preemption is not None and preemption.saved_step is not None:
         where = f"the checkpoint {last} holds step {preemption.saved_step}"
-    else:  # stopped during validation (or without checkpoints): the latest periodic checkpoint, if any
+    else:  # a signal before training started, or a run without checkpoints
         where = f"no checkpoint was written on the signal; {last} is the latest one" if last.is_file() else "no checkpoint exists"
     log.warning("preempted at step %d: %s; continue with lcsb-finetune resume=%s", trainer.global_step, where, out)
     raise Preempted(preemption.exit_code() if preemption is not None else 128 + signal.SIGTERM)
@@ -245,11 +253,12 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
             if trainer.is_global_zero:
                 atomic_write_json(out / INITIAL_NAME, initial)
     fit_start = time.perf_counter()
+    interrupted = False
     try:
         trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
     except SIGTERMException:
-        pass  # Lightning stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
-    _stop_if_preempted(trainer, out)
+        interrupted = True  # stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
+    _stop_if_preempted(trainer, out, interrupted)
     fit_seconds = time.perf_counter() - fit_start
     if cfg.trainer.get("enable_checkpointing", True):
         trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST)  # the end state, whatever the interval
