@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_side_by_side.py"
+from tests._benchmark_scripts import BENCHMARKS, load_benchmark_script
+
+SCRIPT = BENCHMARKS / "memory_side_by_side.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("memory_side_by_side", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("memory_side_by_side")
 
 
 @pytest.mark.parametrize(("text", "match"), [

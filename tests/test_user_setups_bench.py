@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "user_setups.py"
+from tests._benchmark_scripts import load_benchmark_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("user_setups", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("user_setups")
 
 
-def test_a_tiny_round_of_every_setup_prints_the_side_by_side_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+# every set-up builds (the counting tests in test_cut_below.py cover what LCSB does in each); two run here
+SETUPS = ["LoRA + trainable embedding", "LoRA + HF checkpointing (reentrant)"]
+
+
+def test_every_setup_builds_a_model_with_something_to_train() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     script = load_script()
-    result = script.main(["--shape", "tiny", "--rounds", "1", "--warmup", "0", "--out", str(tmp_path)])
+    config = {k: v for k, v in script.SHAPES["tiny"].items() if k not in ("seq_len", "batch_size")}
+    for name, make in script.SETUPS.items():
+        model = make(LlamaForCausalLM(LlamaConfig(**config)))
+        assert any(p.requires_grad for p in model.parameters()), name
+
+
+def test_a_tiny_round_prints_the_side_by_side_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = load_script()
+    result = script.main(["--shape", "tiny", "--rounds", "1", "--warmup", "0", "--out", str(tmp_path), "--setups", *SETUPS])
     out = capsys.readouterr().out
-    assert set(result["seconds"]) == set(script.SETUPS)
+    assert list(result["seconds"]) == SETUPS
     for setup, arms in result["seconds"].items():
         assert len(arms["full"]) == len(arms["lcsb"]) == 1 and min(arms["full"] + arms["lcsb"]) > 0
         assert f"| {setup} |" in out
