@@ -191,7 +191,7 @@ class DivergenceGuard(Callback):
                  "loss": loss if loss is None or math.isfinite(loss) else str(loss)}
         self.events.append(event)
         self._vetoed.add(id(optimizer))
-        _clear_gradients(optimizer)  # the wrapper skips the step; this covers a strategy that bypasses it
+        optimizer.zero_grad(set_to_none=True)  # the wrapper skips the step; this covers a strategy that bypasses it
         if self.action == "rollback":
             event["restored"] = self._restore(trainer, optimizer)
             self._spikes = 0
@@ -287,10 +287,5 @@ def _has_non_finite_gradient(optimizer: Optimizer) -> bool:
     # A sharded (DTensor) gradient is checked on this rank's shard; the ranks' answers are then all-reduced.
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    return bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
-
-
-def _clear_gradients(optimizer: Optimizer) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    # One fused norm and one read-back; a NaN or an infinity anywhere makes the total non-finite.
+    return bool(grads) and not bool(torch.nn.utils.get_total_norm(grads).isfinite())

@@ -166,7 +166,8 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     """
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+    # the environment too: huggingface_hub reads it once, at import, and a script may set it after that
+    if constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
     try:
         _probe_hub(constants.ENDPOINT, timeout)
