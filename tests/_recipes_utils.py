@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,27 @@ from omegaconf import DictConfig
 from lcsb_lightning.recipes.cli import CONFIG_MODULE
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: The console script, as a subprocess runs it.
+FINETUNE = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+
+
+def finetune_env() -> dict[str, str]:
+    """The environment of a console-script run: one thread (two may run side by side), no hub."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def run_finetune_cli(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``lcsb-finetune OVERRIDES hydra.run.dir=RUN_DIR`` to completion, output captured."""
+    return subprocess.run([FINETUNE, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=finetune_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step of the checkpoint at ``path``; 0 while there is none (or it is being replaced)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+    except Exception:  # noqa: BLE001 - not there yet, or being replaced
+        return 0
 
 # Short, fast settings for the tiny model (seconds per run on 2 cores).
 FAST = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pytest
@@ -89,6 +90,29 @@ class TokenLM(LightningModule):
         params = [p for p in self.parameters() if p.requires_grad] if self.optimizer_from_requires_grad else []
         return torch.optim.AdamW(params or [nn.Parameter(torch.zeros(1))], lr=self.lr, weight_decay=self.weight_decay)
 
+
+
+class FaultyLM(TokenLM):
+    """A tiny peft Llama whose loss goes wrong at optimizer step ``at_step`` (on ``rank`` only, if given):
+    ``"nan"`` (a NaN loss and gradient), ``"nan_value"`` (a NaN loss value with a finite gradient) or
+    ``"spike"`` (the loss times 100)."""
+
+    FAULTS = ("nan", "nan_value", "spike")
+
+    def __init__(self, fault: str, at_step: int, rank: int | None = None) -> None:
+        assert fault in self.FAULTS, fault
+        super().__init__(tiny_llama_peft(num_layers=4), lr=5e-3)
+        self.fault, self.at_step, self.rank = fault, at_step, rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step != self.at_step or self.rank not in (None, self.trainer.global_rank):
+            return loss
+        if self.fault == "nan":
+            return loss * math.nan
+        if self.fault == "nan_value":
+            return loss + loss.detach() * math.nan
+        return loss * 100.0
 
 @pytest.fixture
 def residual_net() -> Callable[..., ResidualNet]:

@@ -13,23 +13,9 @@ from lightning.pytorch import Callback, Trainer
 
 from _recipes_utils import FAST, compose_cfg, one_thread  # noqa: F401
 from lcsb_lightning import DivergenceGuard, LCSBCallback
-from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
+from tests.conftest import FaultyLM, TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
 BAD_STEP = 12
-
-
-class Faulty(TokenLM):
-    """A training step whose loss is NaN, or 100 times too large, at optimizer step ``BAD_STEP``."""
-
-    def __init__(self, fault: str) -> None:
-        super().__init__(tiny_llama_peft(num_layers=4), lr=5e-3)
-        self.fault = fault
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.trainer.global_step == BAD_STEP:
-            return loss * math.nan if self.fault == "nan" else loss * 100.0
-        return loss
 
 
 class Snapshots(Callback):
@@ -44,9 +30,9 @@ class Snapshots(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def _fit(fault: str, action: str) -> tuple[Faulty, DivergenceGuard, Snapshots, Trainer]:
+def _fit(fault: str, action: str) -> tuple[FaultyLM, DivergenceGuard, Snapshots, Trainer]:
     torch.manual_seed(0)
-    module = Faulty(fault)
+    module = FaultyLM(fault, at_step=BAD_STEP)
     guard = DivergenceGuard(action=action, spike_factor=4.0, window=10, warmup=5, snapshot_every=4, patience=1)
     snapshots = Snapshots()
     trainer = quiet_trainer(max_steps=20, callbacks=[LCSBCallback("cyclic", layers_per_step=2, log_every_n_steps=0),
@@ -158,7 +144,7 @@ class StepWitness(Callback):
 @pytest.mark.parametrize("guard_first", [True, False], ids=["guard-before-lcsb", "guard-after-lcsb"])
 def test_a_skipped_step_changes_no_parameter_and_no_optimizer_state_in_either_order(action: str, guard_first: bool) -> None:
     torch.manual_seed(0)
-    module = Faulty("nan")
+    module = FaultyLM("nan", at_step=BAD_STEP)
     guard = DivergenceGuard(action=action, window=10, warmup=5)
     # one block of four trains; momentum="implicit" gives the other three a zero gradient
     lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="exact", log_every_n_steps=0)
@@ -173,7 +159,7 @@ def test_a_skipped_step_changes_no_parameter_and_no_optimizer_state_in_either_or
 
 def test_rollback_restores_exactly_with_the_guard_listed_first() -> None:
     torch.manual_seed(0)
-    module = Faulty("nan")
+    module = FaultyLM("nan", at_step=BAD_STEP)
     guard = DivergenceGuard(action="rollback", window=10, warmup=5, snapshot_every=4)
     snapshots = Snapshots()
     trainer = quiet_trainer(max_steps=BAD_STEP + 2, callbacks=[guard, LCSBCallback("cyclic", layers_per_step=1, backward="exact",

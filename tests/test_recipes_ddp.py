@@ -5,41 +5,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+from _recipes_utils import FINETUNE, checkpoint_step, finetune_env, run_finetune_cli
+
 EXAMPLES = 20  # 10 batches of 2 an epoch on one process, 5 per rank on two
 BASE = ["trainer=ddp", "model=tiny", "task=pydoc", "seq_len=32", f"task.max_train_examples={EXAMPLES}",
         "task.max_eval_examples=4", "trainer.val_check_interval=20", "trainer.log_every_n_steps=1",
         "trainer.enable_progress_bar=false", "policy.log_every_n_steps=0", "module.lr=1e-2"]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([SCRIPT, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=_env(),
-                          capture_output=True, text=True, timeout=600)
-
-
 def _checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _checkpoint_step(path: Path) -> int:
-    try:
-        return int(_checkpoint(path)["global_step"])
-    except Exception:  # noqa: BLE001 - not there yet, or being replaced
-        return 0
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -70,17 +53,17 @@ def test_stopped_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path, sto
     overrides = [*BASE, f"trainer.max_steps={steps}", "checkpoint_every=5"]
     started = time.perf_counter()
     reference = tmp_path / "reference"
-    done = _run(reference, *overrides)
+    done = run_finetune_cli(reference, *overrides, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     reference_seconds = time.perf_counter() - started
 
     killed = tmp_path / "killed"
     log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen([SCRIPT, *overrides, f"hydra.run.dir={killed}"], cwd=tmp_path, env=_env(),
+    proc = subprocess.Popen([FINETUNE, *overrides, f"hydra.run.dir={killed}"], cwd=tmp_path, env=finetune_env(),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     last = killed / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
-    while _checkpoint_step(last) < 5 and proc.poll() is None and time.monotonic() < deadline:
+    while checkpoint_step(last) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
     if stop == "SIGKILL":
@@ -90,11 +73,11 @@ def test_stopped_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path, sto
     code = proc.wait(timeout=300)
     log.close()
     assert code == (-signal.SIGKILL if stop == "SIGKILL" else 143), (tmp_path / "killed.log").read_text()[-4000:]
-    step = _checkpoint_step(last)
+    step = checkpoint_step(last)
     assert 5 <= step < steps and not (killed / "summary.json").exists(), "the run was not killed mid-way"
 
     started = time.perf_counter()
-    resumed = _run(killed, f"resume={killed}")
+    resumed = run_finetune_cli(killed, f"resume={killed}", timeout=600)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     resumed_seconds = time.perf_counter() - started
     ours, theirs = json.loads((killed / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())

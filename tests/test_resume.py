@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = shutil.which("lcsb-finetune") or str(Path(sys.executable).parent / "lcsb-finetune")
+from _recipes_utils import FINETUNE, checkpoint_step, finetune_env, run_finetune_cli
+
 STEPS = 60
 BASE = ["model=tiny", "task=pydoc", "seq_len=32", "task.max_eval_examples=4", f"trainer.max_steps={STEPS}",
         "trainer.val_check_interval=30", "trainer.log_every_n_steps=10", "trainer.enable_progress_bar=false",
@@ -31,22 +30,6 @@ CONFIGS = {
 }
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([SCRIPT, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=_env(),
-                          capture_output=True, text=True, timeout=900)
-
-
-def _checkpoint_step(path: Path) -> int:
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
-    except Exception:  # noqa: BLE001 - not there yet
-        return 0
-
-
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -58,26 +41,26 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path, name: str) -> None:
     overrides = [*BASE, *CONFIGS[name]]
     reference = tmp_path / "reference"
-    done = _run(reference, *overrides)
+    done = run_finetune_cli(reference, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([SCRIPT, *overrides, f"hydra.run.dir={killed}"], cwd=tmp_path, env=_env(),
+    proc = subprocess.Popen([FINETUNE, *overrides, f"hydra.run.dir={killed}"], cwd=tmp_path, env=finetune_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = killed / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 600
-    while _checkpoint_step(last) < 10 and proc.poll() is None and time.monotonic() < deadline:
+    while checkpoint_step(last) < 10 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    step = _checkpoint_step(last)
+    step = checkpoint_step(last)
     assert 10 <= step < STEPS and not (killed / "summary.json").exists(), "the run was not killed mid-way"
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
     (loader,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # the data position
     per_epoch = -(-json.loads((reference / "summary.json").read_text())["train_examples"] // 2)  # batch_size=2
     assert (loader["sampler_epoch"], loader["_num_yielded"]) == ((step - 1) // per_epoch, (step - 1) % per_epoch + 1)
 
-    resumed = _run(killed, f"resume={killed}")
+    resumed = run_finetune_cli(killed, f"resume={killed}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ours, theirs = json.loads((killed / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())
     assert ours["resumed_from"].endswith("last.ckpt") and ours["steps"] == theirs["steps"] == STEPS
@@ -90,7 +73,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path, name: st
 
 def test_checkpoint_holds_the_lora_state_not_the_base_weights(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    done = _run(run_dir, *BASE, "trainer.max_steps=5")
+    done = run_finetune_cli(run_dir, *BASE, "trainer.max_steps=5")
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     keys = list(checkpoint["state_dict"])
@@ -105,12 +88,12 @@ def test_checkpoint_holds_the_lora_state_not_the_base_weights(tmp_path: Path) ->
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_damaged_checkpoint_is_refused_before_any_training(tmp_path: Path, damage: str) -> None:
     run_dir = tmp_path / "run"
-    assert _run(run_dir, *BASE, "trainer.max_steps=5").returncode == 0
+    assert run_finetune_cli(run_dir, *BASE, "trainer.max_steps=5").returncode == 0
     last = run_dir / "checkpoints" / "last.ckpt"
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 3] if damage == "truncated" else b"not a checkpoint" * 100)
     (run_dir / "summary.json").unlink()
-    done = _run(run_dir, f"resume={run_dir}")
+    done = run_finetune_cli(run_dir, f"resume={run_dir}")
     assert done.returncode != 0
     assert f"the checkpoint {last} cannot be read" in done.stderr and "truncated or corrupted" in done.stderr
     assert not (run_dir / "summary.json").exists()
@@ -118,6 +101,6 @@ def test_damaged_checkpoint_is_refused_before_any_training(tmp_path: Path, damag
 
 def test_resume_refuses_other_overrides(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert _run(run_dir, *BASE, "trainer.max_steps=5").returncode == 0
-    done = _run(run_dir, f"resume={run_dir}", "module.lr=1")
+    assert run_finetune_cli(run_dir, *BASE, "trainer.max_steps=5").returncode == 0
+    done = run_finetune_cli(run_dir, f"resume={run_dir}", "module.lr=1")
     assert done.returncode != 0 and "resume= continues a run with its own config" in done.stderr

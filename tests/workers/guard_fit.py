@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -24,23 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
 from lcsb_lightning import DivergenceGuard, LCSBCallback  # noqa: E402
-from tests.conftest import TokenLM, tiny_llama_peft  # noqa: E402
+from tests.conftest import FaultyLM  # noqa: E402
 from tests.workers.common import full_values, strided_loader  # noqa: E402
 
 BAD_STEP = 6
 STEPS = 10
-
-
-class OneRankFault(TokenLM):
-    def __init__(self, fault: str) -> None:
-        super().__init__(tiny_llama_peft(num_layers=4), lr=5e-3)
-        self.fault = fault
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.trainer.global_step == BAD_STEP and self.trainer.global_rank == 1:
-            return loss + loss.detach() * math.nan if self.fault == "nan" else loss * 100.0
-        return loss
 
 
 class LoraAtBadStep(Callback):
@@ -65,7 +52,7 @@ class LoraAtBadStep(Callback):
 
 def fit(out: Path, name: str, action: str, fault: str) -> None:
     torch.manual_seed(0)
-    module = OneRankFault(fault)
+    module = FaultyLM("nan_value" if fault == "nan" else "spike", at_step=BAD_STEP, rank=1)
     guard = DivergenceGuard(action=action, window=5, warmup=3, patience=1)
     witness = LoraAtBadStep()
     trainer = Trainer(
