@@ -193,7 +193,7 @@ def test_on_cuda_arm_trains_in_bf16(name: str, tiny_folder: Path) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_nf4_codes_made_on_cpu_decode_alike(dtype: torch.dtype) -> None:
-    from lcsb_lightning.mebp.formats import Packed, dequantize, quantize
+    from lcsb_lightning.mebp._internal.formats import Packed, dequantize, quantize
 
     packed = quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)), "nf4", 64)  # as load_compressed
     on_cpu = dequantize(packed, "nf4", 64, torch.float32)
@@ -205,7 +205,7 @@ def test_on_cuda_nf4_codes_made_on_cpu_decode_alike(dtype: torch.dtype) -> None:
 @needs_cuda
 def test_on_cuda_compressed_linear_and_chunked_loss_match_the_dequantized_weight() -> None:
     from lcsb_lightning.mebp import CompressedLinear, chunked_lm_loss
-    from lcsb_lightning.mebp.formats import dequantize
+    from lcsb_lightning.mebp._internal.formats import dequantize
 
     torch.manual_seed(0)
     layer = CompressedLinear.from_linear(torch.nn.Linear(128, 320), "nf4", 64).cuda()

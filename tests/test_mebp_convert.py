@@ -11,8 +11,8 @@ from torch import nn
 from _mebp_utils import add_lora, lora_grads, tiny_llama, tokens
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp import apply_mebp, mebp_state
-from lcsb_lightning.mebp.formats import dequantize, quantize
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.formats import dequantize, quantize
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.selective import SelectiveBackprop
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lcsb_lightning.mebp.formats import Packed
-from lcsb_lightning.mebp.storage import MappedWeights, mmap_supported
+from lcsb_lightning.mebp._internal.formats import Packed
+from lcsb_lightning.mebp._internal.storage import MappedWeights, mmap_supported
 
 pytestmark = pytest.mark.skipif(not mmap_supported(), reason="weights='mmap' needs madvise (Linux/macOS)")
 
@@ -76,7 +76,7 @@ def test_the_store_releases_only_the_mappings_it_owns(monkeypatch: pytest.Monkey
         calls.append((address, length))
         return 0
 
-    monkeypatch.setattr("lcsb_lightning.mebp.storage._MADVISE", madvise)
+    monkeypatch.setattr("lcsb_lightning.mebp._internal.storage._MADVISE", madvise)
     store = MappedWeights()
     try:
         mapped = store.map(Packed(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1))).codes

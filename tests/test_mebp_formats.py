@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp.formats import FORMATS, dequantize, error_bound, quantize, select_rows, validate_format
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.formats import FORMATS, dequantize, error_bound, quantize, select_rows, validate_format
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

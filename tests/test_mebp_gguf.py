@@ -13,9 +13,10 @@ import torch
 from _mebp_utils import gguf_model, tokens, write_tiny_gguf
 from torch import nn
 
-from lcsb_lightning.mebp import apply_mebp, load_compressed, loading, sources
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.sources import GGUF_ARCHITECTURES, GGUFSource, gguf_quant_types
+from lcsb_lightning.mebp import apply_mebp, load_compressed, loading
+from lcsb_lightning.mebp._internal import sources
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.sources import GGUF_ARCHITECTURES, GGUFSource, gguf_quant_types
 
 QUANTS = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from _mebp_utils import tiny_config, tiny_llama, tokens, write_tiny_gguf
 from lcsb_lightning.mebp import apply_mebp, load_compressed, mebp_state
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 
 def _logits(model: nn.Module) -> torch.Tensor:
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lcsb_lightning.mebp import chunked_lm_loss
-from lcsb_lightning.mebp.layer import CompressedLinear
+from lcsb_lightning.mebp.compressed import CompressedLinear
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])

@@ -11,7 +11,7 @@ import torch
 from _mebp_utils import add_lora, lora_grads, tiny_config, tiny_llama, tokens
 
 from lcsb_lightning.mebp import apply_mebp, chunked_lm_loss, load_compressed, mebp_state
-from lcsb_lightning.mebp.layer import CompressedLinear
+from lcsb_lightning.mebp.compressed import CompressedLinear
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -73,7 +73,7 @@ def test_mmap_weights_are_not_resident_after_their_layer_ran() -> None:
 
 
 def test_mmap_weights_on_a_ram_file_system_are_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lcsb_lightning.mebp import storage
+    from lcsb_lightning.mebp._internal import storage
 
     monkeypatch.setattr(storage, "filesystem_type", lambda path: "tmpfs")
     with pytest.warns(UserWarning, match=r"is on a RAM file system: the compressed weights stay in RAM"):
@@ -83,7 +83,7 @@ def test_mmap_weights_on_a_ram_file_system_are_warned_about(monkeypatch: pytest.
 
 @linux_only
 def test_filesystem_type_of_the_root_is_read_from_proc_mounts() -> None:
-    from lcsb_lightning.mebp.storage import filesystem_type
+    from lcsb_lightning.mebp._internal.storage import filesystem_type
 
     assert filesystem_type("/proc/self") == "proc"
 
@@ -114,7 +114,7 @@ def test_redecompressing_in_backward_gives_the_same_gradients_for_one_more_decom
 
 @pytest.mark.parametrize("checkpoint", [True, False])
 def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: pytest.MonkeyPatch, checkpoint: bool) -> None:
-    from lcsb_lightning.mebp import checkpoint as checkpoint_module
+    from lcsb_lightning.mebp._internal import checkpoint as checkpoint_module
 
     calls: list[int] = []
     monkeypatch.setattr(checkpoint_module, "maybe_release_free_heap", lambda: calls.append(1))
@@ -130,7 +130,7 @@ def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: 
 
 @linux_only
 def test_the_heap_is_trimmed_only_after_the_resident_set_grew_by_the_threshold() -> None:
-    from lcsb_lightning.mebp import heap
+    from lcsb_lightning.mebp._internal import heap
 
     assert heap.heap_release_supported()
     heap.release_free_heap()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _mebp_utils import add_lora, tiny_llama, tokens
 from lcsb_lightning.mebp import QuantizedMeBP, mebp_state
-from lcsb_lightning.mebp.layer import CompressedLinear
+from lcsb_lightning.mebp.compressed import CompressedLinear
 
 
 class MemoryLogger(Logger):

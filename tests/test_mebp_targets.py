@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lcsb_lightning.mebp import CompressedEmbedding, CompressedLinear, apply_mebp, load_compressed
-from lcsb_lightning.mebp.formats import dequantize
+from lcsb_lightning.mebp._internal.formats import dequantize
 
 from _mebp_utils import add_lora, tiny_llama, tokens
 

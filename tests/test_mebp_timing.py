@@ -17,7 +17,7 @@ import torch
 from _mebp_utils import add_lora, tiny_llama
 
 from lcsb_lightning.mebp import QuantizedMeBP
-from lcsb_lightning.mebp.stats import MeBPStats
+from lcsb_lightning.mebp._internal.stats import MeBPStats
 
 CUDA = torch.device("cuda")
 

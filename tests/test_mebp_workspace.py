@@ -8,8 +8,9 @@ import pytest
 import torch
 from _mebp_utils import add_lora, lora_grads, tiny_llama, tokens
 
-from lcsb_lightning.mebp import CompressedLinear, DecompressionWorkspace, apply_mebp, chunked_lm_loss, mebp_state
-from lcsb_lightning.mebp.formats import FORMATS, dequantize, quantize
+from lcsb_lightning.mebp import CompressedLinear, apply_mebp, chunked_lm_loss, mebp_state
+from lcsb_lightning.mebp._internal.formats import FORMATS, dequantize, quantize
+from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

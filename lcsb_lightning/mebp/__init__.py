@@ -1,5 +1,7 @@
 """MeBP: 4-bit frozen weights decompressed on the fly, per-block checkpointing, mmap offload.
 
+The public API is what this module exports; the memory internals (formats, buffers, heap, storage,
+offload, timers, block checkpointing) live in :mod:`lcsb_lightning.mebp._internal`.
 ``import lcsb_lightning.mebp`` needs neither bitsandbytes nor CUDA; ``fmt="nf4"``/``"fp4"`` import
 bitsandbytes when used.
 """
@@ -9,12 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
-from lcsb_lightning.mebp.formats import FORMATS
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.formats import FORMATS
+from lcsb_lightning.mebp._internal.stats import MeBPStats
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, mebp_state
 from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
-from lcsb_lightning.mebp.stats import MeBPStats
-from lcsb_lightning.mebp.workspace import DecompressionWorkspace
 
 # The plugin imports Lightning and the loader imports transformers/gguf: load them on first use.
 _LAZY = {
@@ -29,11 +30,11 @@ __all__ = [
     "chunked_lm_loss",
     "logit_transform",
     "mebp_state",
+    "MeBPState",
+    "MeBPStats",
     "CompressedLinear",
     "CompressedEmbedding",
     "FORMATS",
-    "MeBPStats",
-    "DecompressionWorkspace",
 ]
 
 

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
-from lcsb_lightning.mebp.checkpoint import install_block_wrappers
-from lcsb_lightning.mebp.formats import Packed, allocate_packed, quantize, validate_format
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.offload import MmapOffload
-from lcsb_lightning.mebp.stats import MeBPStats
-from lcsb_lightning.mebp.storage import MappedWeights, mmap_supported
-from lcsb_lightning.mebp.workspace import DecompressionWorkspace
+from lcsb_lightning.mebp._internal.checkpoint import install_block_wrappers
+from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize, validate_format
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.offload import MmapOffload
+from lcsb_lightning.mebp._internal.stats import MeBPStats
+from lcsb_lightning.mebp._internal.storage import MappedWeights, mmap_supported
+from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 
 OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
 #: Where the compressed weights live: process memory, or memory-mapped files released after each use.
@@ -258,13 +258,13 @@ def apply_mebp(
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
         weights: ``"ram"`` keeps the compressed weights in process memory; ``"mmap"`` writes them to
             memory-mapped files and drops each layer's pages from the process after it ran
-            (:mod:`~lcsb_lightning.mebp.storage`; CPU, Linux/macOS).
+            (:mod:`~lcsb_lightning.mebp._internal.storage`; CPU, Linux/macOS).
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
             backward recompute until that Linear's backward (one backward decompression per layer).
             ``False`` decompresses it again there instead: the same gradients, bit for bit, with at
             most one layer's float weight alive at a time, for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before each block runs and before
-            its recompute (glibc ``malloc_trim``; :mod:`~lcsb_lightning.mebp.heap`): the resident set
+            its recompute (glibc ``malloc_trim``; :mod:`~lcsb_lightning.mebp._internal.heap`): the resident set
             stays flat instead of growing from step to step, for a few percent of step time.
         blocks: How to find the blocks (see :func:`lcsb_lightning.blocks.find_blocks`).
         offload_dir: Parent of the temporary offload and weight directories.

@@ -22,10 +22,10 @@ from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets, validate_args
-from lcsb_lightning.mebp.formats import Packed, allocate_packed, quantize_into
-from lcsb_lightning.mebp.heap import release_free_heap
-from lcsb_lightning.mebp.storage import MappedWeights
-from lcsb_lightning.mebp.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
+from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into
+from lcsb_lightning.mebp._internal.heap import release_free_heap
+from lcsb_lightning.mebp._internal.storage import MappedWeights
+from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -66,7 +66,7 @@ def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: to
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
 
 
-def _resolve(source: Source, gguf_file: str | None, seed: int) -> tuple[Any, str, str | None, GGUFReader | None]:
+def _resolve(source: Source, gguf_file: str | None) -> tuple[Any, str, str | None, GGUFReader | None]:
     """``(config, kind, path, reader)``: kind is ``"random"``, ``"safetensors"`` or ``"gguf"``; reader is
     the open ``gguf.GGUFReader`` of a GGUF file (its architecture checked before the config is parsed),
     else ``None``."""
@@ -140,7 +140,7 @@ def load_compressed(
     validate_args(
         fmt, group_size, checkpoint, offload, tuple(ignore_modules), weights, keep_recomputed_weights, release_heap
     )
-    config, kind, path, reader = _resolve(source, gguf_file, seed)
+    config, kind, path, reader = _resolve(source, gguf_file)
     model = _meta_model(config, dtype)
     found = find_blocks(model)
     targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)

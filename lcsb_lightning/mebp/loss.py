@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lcsb_lightning.mebp.layer import MAX_CHUNK_ELEMENTS, CompressedLinear
+from lcsb_lightning.mebp.compressed import MAX_CHUNK_ELEMENTS, CompressedLinear
 
 #: Head weights decompressed (and logits computed per token) per vocabulary block: 16 MiB in float32.
 VOCAB_BLOCK_ELEMENTS = 1 << 22

@@ -10,8 +10,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lcsb_lightning.mebp.convert import apply_mebp, mebp_state, validate_args
-from lcsb_lightning.mebp.layer import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.stats import MeBPStats
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.stats import MeBPStats
 
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:

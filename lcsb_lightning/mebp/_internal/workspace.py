@@ -90,12 +90,6 @@ class DecompressionWorkspace:
         with self._lock:
             return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
 
-    def clear(self) -> None:
-        """Drop every free buffer (their memory goes back to the allocator) and forget lent ones."""
-        with self._lock:
-            self._free.clear()
-            self._lent.clear()
-
     def __getstate__(self) -> dict[str, int]:
         """Copies (deepcopy, pickle) start with an empty pool of their own."""
         return {"max_free_per_key": self.max_free_per_key}

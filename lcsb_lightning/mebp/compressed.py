@@ -6,7 +6,7 @@ gradient. Inside a checkpointed block the recompute decompresses once and that c
 layer's backward (unless ``keep_recomputed_weight`` is False: then the backward decompresses again,
 so that only one layer's float weight exists at a time), so a back-propagated block costs one
 backward decompression per layer and a block skipped by LCSB costs none. Decompressed weights go
-into buffers of the model's :class:`~lcsb_lightning.mebp.workspace.DecompressionWorkspace`. Layers
+into buffers of the model's :class:`~lcsb_lightning.mebp._internal.workspace.DecompressionWorkspace`. Layers
 wider than ``max_chunk_elements`` are processed in row chunks so that a 150k-row LM head never
 exists decompressed in full.
 
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp.formats import Packed, dequantize, quantize, select_rows
-from lcsb_lightning.mebp.stats import MeBPStats, checkpointed, recomputing
-from lcsb_lightning.mebp.storage import MappedWeights
-from lcsb_lightning.mebp.workspace import DecompressionWorkspace
+from lcsb_lightning.mebp._internal.formats import Packed, dequantize, quantize, select_rows
+from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpointed, recomputing
+from lcsb_lightning.mebp._internal.storage import MappedWeights
+from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 
 #: Default largest number of weights decompressed at once (64 MiB in float32).
 MAX_CHUNK_ELEMENTS = 1 << 24
@@ -170,9 +170,6 @@ class _CompressedWeight:
         """Return a weight from :meth:`decompress` to the workspace; it must not be read afterwards."""
         if self.workspace is not None:
             self.workspace.give_back(weight)
-
-    def compressed_bytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
 
 
 class CompressedLinear(_CompressedWeight, nn.Linear):

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lcsb_lightning.forward_wrap import get_layer, install_layer, remove_layer
-from lcsb_lightning.mebp.heap import maybe_release_free_heap
-from lcsb_lightning.mebp.stats import MeBPStats, checkpoint_scope
+from lcsb_lightning.forward_wrap import get_layer, install_layer
+from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
+from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
 
 #: Name of QuantizedMeBP's layer in a block's forward stack.
@@ -45,7 +45,7 @@ class CheckpointLayer:
             inputs, without it every activation the block saves.
         stats: Receives the recompute timings (none recorded without it).
         release_heap: On CPU, return freed heap memory to the OS before the block runs with
-            gradients and before its recompute (:mod:`~lcsb_lightning.mebp.heap`).
+            gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
     """
 
     name = LAYER_NAME
@@ -117,16 +117,9 @@ def install_block_wrappers(
 
         >>> blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
         >>> install_block_wrappers(blocks, checkpoint_blocks=True)
-        >>> remove_block_wrappers(blocks)
     """
     for block in blocks:
         if get_layer(block, LAYER_NAME) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block layer installed.")
     for block in blocks:
         install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
-
-
-def remove_block_wrappers(blocks: Sequence[nn.Module]) -> None:
-    """Remove QuantizedMeBP's layer from each block (the others, LCSB's included, stay)."""
-    for block in blocks:
-        remove_layer(block, LAYER_NAME)

@@ -107,13 +107,6 @@ class MeBPStats:
         self.recompute_ms = 0.0
         self.backward_ms = 0.0
 
-    def add_decompress(self, phase: str, ms: float) -> None:
-        self.decompress_ms[phase] += ms
-        self.decompress_count[phase] += 1
-
-    def add_recompute(self, ms: float) -> None:
-        self.recompute_ms += ms
-
     def _add_ms(self, key: _TimedKey, ms: float) -> None:
         if key == _RECOMPUTE:
             self.recompute_ms += ms

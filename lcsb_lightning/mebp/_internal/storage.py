@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lcsb_lightning.mebp.formats import Packed
+from lcsb_lightning.mebp._internal.formats import Packed
 
 _MADV_DONTNEED = 4  # the same value on Linux and macOS
 
