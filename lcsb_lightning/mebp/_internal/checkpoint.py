@@ -1,11 +1,11 @@
 """Per-block gradient checkpointing that composes with LCSB's identity path.
 
-Each block gets a :class:`CheckpointLayer` in its forward stack. With gradients enabled, a block that
+Each block gets a :class:`BlockCheckpoint` wrapper in its forward stack. With gradients enabled, a block that
 LCSB does not cut runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so backward
 recomputes it (decompressing its weights again). Under ``no_grad`` (evaluation, or a block LCSB cuts
-when its layer sits outside this one) nothing is checkpointed; when this layer sits outside LCSB's,
-a cut block is passed straight to LCSB's layer, which runs it without graph. The two layers compose
-in either order and come off in any order.
+when its wrapper sits outside this one) nothing is checkpointed; when this wrapper sits outside LCSB's,
+a cut block is passed straight to LCSB's wrapper, which runs it without graph. The two wrappers
+compose in either order and come off in any order.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
 
-#: Name of QuantizedMeBP's layer in a block's forward stack.
-LAYER_NAME = "mebp_checkpoint"
+#: Name of QuantizedMeBP's wrapper in a block's forward stack.
+CHECKPOINT_WRAPPER = "mebp_checkpoint"
 #: Cache keyword arguments that cannot be replayed by a recompute (as in transformers' own checkpointing).
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -35,8 +35,8 @@ def _first_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device
     return torch.device("cpu")
 
 
-class CheckpointLayer:
-    """QuantizedMeBP's forward layer on one block: checkpointing and/or a saved-tensor context.
+class BlockCheckpoint:
+    """QuantizedMeBP's forward wrapper on one transformer block: checkpointing and/or a saved-tensor context.
 
     Args:
         checkpoint_blocks: Recompute the block in backward (non-reentrant checkpoint).
@@ -48,7 +48,7 @@ class CheckpointLayer:
             gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
     """
 
-    name = LAYER_NAME
+    name = CHECKPOINT_WRAPPER
     persistent = True  # part of the converted model: copies and pickles keep it
 
     def __init__(
@@ -111,7 +111,7 @@ def install_block_wrappers(
     stats: MeBPStats | None = None,
     release_heap: bool = True,
 ) -> None:
-    """Install a :class:`CheckpointLayer` on each block (reporting recompute times to ``stats``).
+    """Install a :class:`BlockCheckpoint` on each block (reporting recompute times to ``stats``).
 
     Example::
 
@@ -119,7 +119,7 @@ def install_block_wrappers(
         >>> install_block_wrappers(blocks, checkpoint_blocks=True)
     """
     for block in blocks:
-        if get_layer(block, LAYER_NAME) is not None:
-            raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block layer installed.")
+        if get_layer(block, CHECKPOINT_WRAPPER) is not None:
+            raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block checkpoint wrapper installed.")
     for block in blocks:
-        install_layer(block, CheckpointLayer(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
+        install_layer(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
