@@ -23,6 +23,7 @@ _LAZY = {
     "QuantizedMeBP": "lcsb_lightning.mebp",
     "apply_mebp": "lcsb_lightning.mebp",
     "load_compressed": "lcsb_lightning.mebp",
+    "MeBPConfig": "lcsb_lightning.mebp",
     "chunked_lm_loss": "lcsb_lightning.mebp",
 }
 

@@ -121,8 +121,8 @@ def test_evaluation_under_no_grad_neither_checkpoints_nor_decompresses_in_backwa
 def test_state_records_what_was_installed() -> None:
     model = apply_mebp(tiny_llama(num_layers=2), fmt="int4", offload="mmap")
     state = mebp_state(model)
-    assert state is not None and state.fmt == "int4" and len(state.blocks) == 2
-    assert len(state.layers) == 2 * 7 + 2
+    assert state is not None and state.config.fmt == "int4" and len(state.blocks) == 2
+    assert len(state.compressed_modules) == 2 * 7 + 2
     state.close()
 
 

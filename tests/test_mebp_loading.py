@@ -29,7 +29,7 @@ def test_safetensors_folder_equals_compressing_the_loaded_model(tmp_path: Path, 
     torch.testing.assert_close(_logits(loaded), _logits(reference))
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tie
     assert not any(p.is_meta for p in loaded.parameters()) and not any(b.is_meta for b in loaded.buffers())
-    assert mebp_state(loaded) is not None and len(mebp_state(loaded).layers) == 4 * 7 + 2
+    assert mebp_state(loaded) is not None and len(mebp_state(loaded).compressed_modules) == 4 * 7 + 2
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])

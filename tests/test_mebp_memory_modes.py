@@ -104,11 +104,11 @@ def test_redecompressing_in_backward_gives_the_same_gradients_for_one_more_decom
     # Above block 0 every Linear's input needs a gradient: kept, the recompute's copy serves the
     # backward; lean, the backward decompresses once more. (Block 0's q/k/v/gate/up see the frozen
     # embedding's output: no input gradient, no backward decompression in either mode.)
-    upper = [n for n in mebp_state(kept).layers if ".layers.1." in n or ".layers.2." in n]
+    upper = [n for n in mebp_state(kept).compressed_modules if ".layers.1." in n or ".layers.2." in n]
     assert len(upper) == 2 * 7
     for name in upper:
-        kept_count = mebp_state(kept).layers[name].decompress_count
-        lean_count = mebp_state(lean).layers[name].decompress_count
+        kept_count = mebp_state(kept).compressed_modules[name].decompress_count
+        lean_count = mebp_state(lean).compressed_modules[name].decompress_count
         assert lean_count["backward"] == kept_count["backward"] + 1 == 2, name
 
 

@@ -101,7 +101,7 @@ def test_gradients_are_bit_identical_with_and_without_the_workspace(checkpoint: 
     base = add_lora(tiny_llama(num_layers=3))
     pooled = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint)
     plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint)
-    for layer in mebp_state(plain).layers.values():
+    for layer in mebp_state(plain).compressed_modules.values():
         layer.workspace = None
     workspace = mebp_state(pooled).workspace
     for step in range(2):

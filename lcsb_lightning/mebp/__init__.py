@@ -14,6 +14,7 @@ from typing import Any
 from lcsb_lightning.mebp._internal.formats import FORMATS
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.config import MeBPConfig
 from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, mebp_state
 from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
 
@@ -25,6 +26,7 @@ _LAZY = {
 
 __all__ = [
     "QuantizedMeBP",
+    "MeBPConfig",
     "apply_mebp",
     "load_compressed",
     "chunked_lm_loss",

@@ -4,35 +4,38 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
 from lcsb_lightning.mebp._internal.checkpoint import install_block_wrappers
-from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize, validate_format
-from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats
-from lcsb_lightning.mebp._internal.storage import MappedWeights, mmap_supported
+from lcsb_lightning.mebp._internal.storage import MappedWeights
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.config import MeBPConfig, build_config
 
-OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
-#: Where the compressed weights live: process memory, or memory-mapped files released after each use.
-WEIGHT_STORAGE: tuple[str, ...] = ("ram", "mmap")
 #: Attribute under which ``apply_mebp`` records what it did on the model.
 STATE_ATTR = "_mebp_state"
 
 
 @dataclass
 class MeBPState:
-    """What :func:`apply_mebp` installed on a model (``model._mebp_state``)."""
+    """What :func:`apply_mebp` installed on a model (``model._mebp_state``).
 
-    fmt: str
-    group_size: int
+    Attributes:
+        config: The options the model was converted with.
+        blocks: The blocks that got QuantizedMeBP's checkpoint wrapper.
+        compressed_modules: Each compressed Linear/Embedding by qualified name.
+    """
+
+    config: MeBPConfig
     blocks: list[nn.Module]
-    layers: dict[str, nn.Module] = field(default_factory=dict)
+    compressed_modules: dict[str, nn.Module] = field(default_factory=dict)
     offload: MmapOffload | None = None
     weight_store: MappedWeights | None = None
     stats: MeBPStats = field(default_factory=MeBPStats)
@@ -44,33 +47,6 @@ class MeBPState:
             self.offload.close()
         if self.weight_store is not None:
             self.weight_store.close()
-
-
-def validate_args(
-    fmt: str,
-    group_size: int,
-    checkpoint: bool,
-    offload: str,
-    ignore_modules: Iterable[str],
-    weights: str = "ram",
-    keep_recomputed_weights: bool = True,
-    release_heap: bool = True,
-) -> None:
-    """Check every argument of :func:`apply_mebp` / ``QuantizedMeBP`` (raises before any work)."""
-    validate_format(fmt, group_size)
-    if not isinstance(checkpoint, bool):
-        raise TypeError(f"`checkpoint` must be a bool, got {checkpoint!r}.")
-    for name, flag in (("keep_recomputed_weights", keep_recomputed_weights), ("release_heap", release_heap)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool, got {flag!r}.")
-    if offload not in OFFLOAD_MODES:
-        raise ValueError(f"`offload={offload!r}` is not supported; choose one of {', '.join(map(repr, OFFLOAD_MODES))}.")
-    if weights not in WEIGHT_STORAGE:
-        raise ValueError(f"`weights={weights!r}` is not supported; choose one of {', '.join(map(repr, WEIGHT_STORAGE))}.")
-    if weights == "mmap" and not mmap_supported():
-        raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
-    if isinstance(ignore_modules, str) or not all(isinstance(name, str) for name in ignore_modules):
-        raise TypeError(f"`ignore_modules` must be a collection of module names, got {ignore_modules!r}.")
 
 
 def _ignored(name: str, ignore_modules: Iterable[str]) -> bool:
@@ -123,9 +99,7 @@ def _candidates(model: nn.Module, blocks: list[nn.Module], compress_embeddings: 
     return found
 
 
-def find_targets(
-    model: nn.Module, blocks: list[nn.Module], compress_embeddings: bool, ignore_modules: Iterable[str], group_size: int
-) -> dict[str, nn.Module]:
+def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) -> dict[str, nn.Module]:
     """Qualified names of the modules to compress; raises on a ``group_size`` that does not fit one.
 
     A candidate (any ``nn.Linear`` in a block, subclasses included; with ``compress_embeddings`` the
@@ -134,6 +108,7 @@ def find_targets(
     whose ``forward`` computes something else (warned), named in ``ignore_modules``, or trainable in
     a model set up for fine-tuning (see :func:`apply_mebp`; warned).
     """
+    ignore_modules, group_size = config.ignore_modules, config.group_size
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     excluded = _adapter_module_ids(model)
     # A model whose parameters are all trainable has not been set up for fine-tuning yet (it comes
@@ -142,7 +117,7 @@ def find_targets(
     targets: dict[str, nn.Module] = {}
     trainable: list[str] = []
     different: list[str] = []
-    for module in _candidates(model, blocks, compress_embeddings):
+    for module in _candidates(model, blocks, config.compress_embeddings):
         name = names.get(id(module))
         if name is None or id(module) in excluded or name in targets or _ignored(name, ignore_modules):
             continue
@@ -216,21 +191,7 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
     return done
 
 
-def apply_mebp(
-    model: nn.Module,
-    fmt: str = "nf4",
-    group_size: int = 64,
-    checkpoint: bool = True,
-    offload: str = "none",
-    compress_embeddings: bool = True,
-    ignore_modules: Iterable[str] = (),
-    *,
-    weights: str = "ram",
-    keep_recomputed_weights: bool = True,
-    release_heap: bool = True,
-    blocks: BlocksSpec = "auto",
-    offload_dir: str | None = None,
-) -> nn.Module:
+def apply_mebp(model: nn.Module, config: MeBPConfig | None = None, *, blocks: BlocksSpec = "auto", **options: Any) -> nn.Module:
     """Convert ``model`` in place to MeBP training form and return it.
 
     Every ``nn.Linear`` inside the transformer blocks (found by ``isinstance``) and, with
@@ -249,30 +210,16 @@ def apply_mebp(
 
     Args:
         model: A Hugging Face causal LM (optionally peft-wrapped), or any module holding one.
-        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
-        group_size: Weights per scale; must divide every converted layer's input features.
-        checkpoint: Per-block non-reentrant gradient checkpointing.
-        offload: ``"none"`` or ``"mmap"``.
-        compress_embeddings: Also compress the input embedding and LM head.
-        ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
-            name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
-        weights: ``"ram"`` keeps the compressed weights in process memory; ``"mmap"`` writes them to
-            memory-mapped files and drops each layer's pages from the process after it ran
-            (:mod:`~lcsb_lightning.mebp._internal.storage`; CPU, Linux/macOS).
-        keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
-            backward recompute until that Linear's backward (one backward decompression per layer).
-            ``False`` decompresses it again there instead: the same gradients, bit for bit, with at
-            most one layer's float weight alive at a time, for one more decompression per layer.
-        release_heap: On CPU, return freed heap memory to the OS before each block runs and before
-            its recompute (glibc ``malloc_trim``; :mod:`~lcsb_lightning.mebp._internal.heap`): the resident set
-            stays flat instead of growing from step to step, for a few percent of step time.
+        config: The options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without one).
         blocks: How to find the blocks (see :func:`lcsb_lightning.blocks.find_blocks`).
-        offload_dir: Parent of the temporary offload and weight directories.
+        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields (``fmt="int4"``, ...): without
+            ``config`` they build one, beside it they override its fields.
 
     Raises:
-        ValueError: unknown ``fmt``/``offload``, or ``group_size`` not dividing a layer's inputs.
+        ValueError: a bad option (see :class:`~lcsb_lightning.mebp.MeBPConfig`), or ``group_size``
+            not dividing a layer's inputs.
         ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
-        TypeError: nothing to convert (raised before the model is changed).
+        TypeError: a bad or unknown option, or nothing to convert (raised before the model is changed).
 
     Example::
 
@@ -283,61 +230,53 @@ def apply_mebp(
         >>> type(model.model.layers[0].mlp.up_proj).__name__
         'CompressedLinear'
     """
-    validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
+    config = build_config(config, options, "apply_mebp")
     if mebp_state(model) is not None:
         raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")
     found = find_blocks(model, blocks)
-    targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
+    targets = find_targets(model, found, config)
     if not targets:
         raise TypeError(
             f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
-            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={tuple(ignore_modules)!r}`; "
+            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={config.ignore_modules!r}`; "
             "trainable and already quantized layers are never compressed)."
         )
-    layers = compress_modules(model, targets, fmt, group_size)
-    store = MappedWeights(offload_dir) if weights == "mmap" else None
+    compressed = compress_modules(model, targets, config.fmt, config.group_size)
+    store = MappedWeights(config.offload_dir) if config.weights == "mmap" else None
     if store is not None:
-        map_layers(layers, store)
-    return finish_conversion(
-        model, found, layers, fmt, group_size, checkpoint, offload, offload_dir, store, keep_recomputed_weights,
-        release_heap,
-    )
+        map_compressed(compressed, store)
+    return finish_conversion(model, found, compressed, config, store)
 
 
-def map_layers(layers: dict[str, nn.Module], store: MappedWeights) -> None:
-    """Move the layers' codes and scales into ``store`` (layers sharing a tensor share its mapping)."""
+def map_compressed(compressed: dict[str, nn.Module], store: MappedWeights) -> None:
+    """Move the modules' codes and scales into ``store`` (modules sharing a tensor share its mapping)."""
     mapped: dict[int, Packed] = {}
-    for layer in layers.values():
-        key = id(layer.weight)
+    for module in compressed.values():
+        key = id(module.weight)
         if key not in mapped:
-            mapped[key] = store.map(layer.packed())  # type: ignore[operator]
-        layer.weight, layer.scales = mapped[key].codes, mapped[key].scales
+            mapped[key] = store.map(module.packed())  # type: ignore[operator]
+        module.weight, module.scales = mapped[key].codes, mapped[key].scales
 
 
 def finish_conversion(
     model: nn.Module,
     blocks: list[nn.Module],
-    layers: dict[str, nn.Module],
-    fmt: str,
-    group_size: int,
-    checkpoint: bool,
-    offload: str,
-    offload_dir: str | None,
+    compressed: dict[str, nn.Module],
+    config: MeBPConfig,
     weight_store: MappedWeights | None = None,
-    keep_recomputed_weights: bool = True,
-    release_heap: bool = True,
 ) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
-    state = MeBPState(fmt, group_size, blocks, layers, weight_store=weight_store)
-    for layer in layers.values():
-        layer.stats, layer.workspace = state.stats, state.workspace  # type: ignore[union-attr]
-        layer.weight_store = weight_store  # type: ignore[union-attr]
-        layer.keep_recomputed_weight = keep_recomputed_weights  # type: ignore[union-attr]
-    if offload == "mmap":
-        state.offload = MmapOffload(offload_dir)
-    if checkpoint or state.offload is not None or release_heap:
+    state = MeBPState(config, blocks, compressed, weight_store=weight_store)
+    state.stats.sync_timing = config.sync_timing
+    for module in compressed.values():
+        module.stats, module.workspace = state.stats, state.workspace  # type: ignore[union-attr]
+        module.weight_store = weight_store  # type: ignore[union-attr]
+        module.keep_recomputed_weight = config.keep_recomputed_weights  # type: ignore[union-attr]
+    if config.offload == "mmap":
+        state.offload = MmapOffload(config.offload_dir)
+    if config.checkpoint or state.offload is not None or config.release_heap:
         hooks = state.offload.hooks if state.offload is not None else None
-        install_block_wrappers(blocks, checkpoint, hooks, state.stats, release_heap)
+        install_block_wrappers(blocks, config.checkpoint, hooks, state.stats, config.release_heap)
     object.__setattr__(model, STATE_ATTR, state)
     return model
 

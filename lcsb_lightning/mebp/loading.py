@@ -15,13 +15,14 @@ the chunk plus one ``gguf`` dequantize call on at most ``sources.DEQUANTIZE_ELEM
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
-from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets, validate_args
+from lcsb_lightning.mebp.config import MeBPConfig, build_config
+from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into
 from lcsb_lightning.mebp._internal.heap import release_free_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights
@@ -94,35 +95,25 @@ def _resolve(source: Source, gguf_file: str | None) -> tuple[Any, str, str | Non
 
 def load_compressed(
     source: Source,
-    fmt: str = "nf4",
-    group_size: int = 64,
-    checkpoint: bool = True,
-    offload: str = "none",
-    compress_embeddings: bool = True,
-    ignore_modules: Iterable[str] = (),
+    config: MeBPConfig | None = None,
     *,
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    weights: str = "ram",
-    keep_recomputed_weights: bool = True,
-    release_heap: bool = True,
-    offload_dir: str | None = None,
+    **options: Any,
 ) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
 
     Args:
         source: A Hugging Face checkpoint folder (safetensors), a ``.gguf`` file (or its folder with
             ``gguf_file``), or a ``PretrainedConfig`` for a random init (memory and speed studies).
-        fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules: As in
-            :func:`~lcsb_lightning.mebp.apply_mebp`.
+        config: The options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without one). With
+            ``weights="mmap"`` each tensor goes to its file as soon as it is compressed, so the
+            compressed model never is resident as a whole, not even while loading.
         gguf_file: File name of the GGUF inside the ``source`` folder.
         dtype: Dtype of the float parameters that stay uncompressed (norms, biases).
         seed: Seed of the random init.
-        weights, keep_recomputed_weights, release_heap: As in :func:`~lcsb_lightning.mebp.apply_mebp`; with
-            ``weights="mmap"`` each tensor goes to its file as soon as it is compressed, so the
-            compressed model never is resident as a whole, not even while loading.
-        offload_dir: Parent of the temporary offload and weight directories.
+        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields, as in :func:`~lcsb_lightning.mebp.apply_mebp`.
 
     Returns:
         The model, in eval mode, with the state :func:`~lcsb_lightning.mebp.mebp_state` reports;
@@ -137,17 +128,16 @@ def load_compressed(
         >>> type(model.lm_head).__name__
         'CompressedLinear'
     """
-    validate_args(
-        fmt, group_size, checkpoint, offload, tuple(ignore_modules), weights, keep_recomputed_weights, release_heap
-    )
-    config, kind, path, reader = _resolve(source, gguf_file)
-    model = _meta_model(config, dtype)
+    config = build_config(config, options, "load_compressed")
+    model_config, kind, path, reader = _resolve(source, gguf_file)
+    model = _meta_model(model_config, dtype)
     found = find_blocks(model)
-    targets = find_targets(model, found, compress_embeddings, tuple(ignore_modules), group_size)
+    targets = find_targets(model, found, config)
+    fmt, group_size = config.fmt, config.group_size
     names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
     weight_source: WeightSource
     if kind == "random":
-        weight_source = RandomSource(std=getattr(config, "initializer_range", 0.02), seed=seed)
+        weight_source = RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed)
     elif kind == "safetensors":
         tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
         weight_source = SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
@@ -155,11 +145,11 @@ def load_compressed(
         weight_source = GGUFSource(reader, model)  # maps names, checks tensor types and shapes
 
     shared: dict[int, Packed] = {}
-    store = MappedWeights(offload_dir) if weights == "mmap" else None
+    store = MappedWeights(config.offload_dir) if config.weights == "mmap" else None
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
     # In RAM, all codes share one allocation (see allocate_packed); mapped, each goes to its file.
     slots = dict(zip(unique, allocate_packed(list(unique.values()), group_size))) if store is None else {}
-    layers: dict[str, nn.Module] = {}
+    compressed: dict[str, nn.Module] = {}
     for target_name, module in targets.items():
         key = id(module.weight)
         if key not in shared:
@@ -171,7 +161,7 @@ def load_compressed(
         new = compressed_twin(module, shared[key], fmt, group_size, dtype)
         parent, _, child = target_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-        layers[target_name] = new
+        compressed[target_name] = new
     loaded: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for pname, param in list(module._parameters.items()):
@@ -181,7 +171,4 @@ def load_compressed(
                 module._parameters[pname] = loaded[id(param)]
     del weight_source, reader, shared, loaded
     release_free_heap()  # the float row chunks were freed; do not keep their pages resident
-    return finish_conversion(
-        model, find_blocks(model), layers, fmt, group_size, checkpoint, offload, offload_dir, store,
-        keep_recomputed_weights, release_heap,
-    )
+    return finish_conversion(model, find_blocks(model), compressed, config, store)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator, Iterable
+from typing import Any, Callable, Generator
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lcsb_lightning.mebp.convert import apply_mebp, mebp_state, validate_args
-from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp._internal.stats import MeBPStats
+from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
+from lcsb_lightning.mebp.config import MeBPConfig, build_config
+from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
 
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
@@ -47,66 +48,28 @@ class QuantizedMeBP(Precision):
     values are in :attr:`last_metrics`.
 
     Args:
-        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
-        group_size: Weights per scale.
-        checkpoint: Per-block non-reentrant gradient checkpointing.
-        offload: ``"none"`` or ``"mmap"``.
-        compress_embeddings: Also compress the input embedding and LM head.
-        ignore_modules: Module names to keep uncompressed.
-        offload_dir: Parent directory of the temporary offload and weight directories.
-        weights: ``"ram"`` or ``"mmap"`` (compressed weights in memory-mapped files, resident only
-            while their layer runs).
-        keep_recomputed_weights: ``False`` decompresses each weight again in backward rather than
-            keeping the recompute's copy (lower peak, same gradients, more decompression time).
-        release_heap: On CPU, return freed heap memory to the OS before each block runs (glibc; a
-            flat resident set instead of one that grows from step to step, for a few percent of step time).
-        sync_timing: Synchronise the device before and after every timed decompression, recompute and
-            backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
-            with CUDA events read when the figures are logged, and CPU work with the wall clock.
+        config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults
+            without one). ``sync_timing`` applies to the timers of the model this plugin trains, also
+            one converted beforehand.
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
+        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields (``fmt="int4"``, ...): without
+            ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
+            instantiates it).
 
     Example::
 
-        >>> plugin = QuantizedMeBP(fmt="int4", group_size=64)
+        >>> plugin = QuantizedMeBP(fmt="int4", group_size=64)  # or QuantizedMeBP(MeBPConfig(fmt="int4"))
         >>> # trainer = Trainer(plugins=[plugin]); trainer.fit(lora_module)
     """
 
     precision = "32-true"
 
-    def __init__(
-        self,
-        fmt: str = "nf4",
-        group_size: int = 64,
-        checkpoint: bool = True,
-        offload: str = "none",
-        compress_embeddings: bool = True,
-        ignore_modules: Iterable[str] = (),
-        offload_dir: str | None = None,
-        weights: str = "ram",
-        keep_recomputed_weights: bool = True,
-        release_heap: bool = True,
-        sync_timing: bool = False,
-        precision: str = "32-true",
-    ) -> None:
-        ignore_modules = tuple(ignore_modules) if not isinstance(ignore_modules, str) else ignore_modules
-        validate_args(fmt, group_size, checkpoint, offload, ignore_modules, weights, keep_recomputed_weights, release_heap)
-        self.weights = weights
-        self.keep_recomputed_weights = keep_recomputed_weights
-        self.release_heap = release_heap
-        if not isinstance(sync_timing, bool):
-            raise TypeError(f"`sync_timing` must be a bool, got {sync_timing!r}.")
-        self.sync_timing = sync_timing
+    def __init__(self, config: MeBPConfig | None = None, *, precision: str = "32-true", **options: Any) -> None:
+        self.config = build_config(config, options, "QuantizedMeBP")
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
         self.precision = precision  # type: ignore[assignment]
-        self.fmt = fmt
-        self.group_size = group_size
-        self.checkpoint = checkpoint
-        self.offload = offload
-        self.compress_embeddings = compress_embeddings
-        self.ignore_modules = ignore_modules
-        self.offload_dir = offload_dir
         self._module: nn.Module | None = None
         self._stats = MeBPStats()
         self.last_metrics: dict[str, float] = {}
@@ -114,25 +77,13 @@ class QuantizedMeBP(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Compress ``module`` in place (a no-op on a model already converted or loaded compressed)."""
         if mebp_state(module) is None:
-            apply_mebp(
-                module,
-                fmt=self.fmt,
-                group_size=self.group_size,
-                checkpoint=self.checkpoint,
-                offload=self.offload,
-                compress_embeddings=self.compress_embeddings,
-                ignore_modules=self.ignore_modules,
-                offload_dir=self.offload_dir,
-                weights=self.weights,
-                keep_recomputed_weights=self.keep_recomputed_weights,
-                release_heap=self.release_heap,
-            )
+            apply_mebp(module, self.config)
         _skip_ddp_buffer_sync(module)
         self._module = module
         state = mebp_state(module)
         assert state is not None
         self._stats = state.stats  # looked up once: mebp_state may walk every module
-        self._stats.sync_timing = self.sync_timing
+        self._stats.sync_timing = self.config.sync_timing
         self._stats.reset()
         return module
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from lcsb_lightning.controller import BACKWARD_MODES, MOMENTUM_MODES
 from lcsb_lightning.guard import ACTIONS
-from lcsb_lightning.mebp.convert import WEIGHT_STORAGE
+from lcsb_lightning.mebp.config import WEIGHT_STORAGE
 from lcsb_lightning.mebp import FORMATS
 from lcsb_lightning.policies import available_policies
 

@@ -1,0 +1,129 @@
+"""``MeBPConfig``: every option of MeBP's conversion in one validated object (as peft's ``LoraConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from lcsb_lightning.mebp._internal.formats import validate_format
+from lcsb_lightning.mebp._internal.storage import mmap_supported
+
+#: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
+OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
+#: Where the compressed weights live: process memory, or memory-mapped files released after each use.
+WEIGHT_STORAGE: tuple[str, ...] = ("ram", "mmap")
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, values))
+
+
+@dataclass(frozen=True)
+class MeBPConfig:
+    """How :func:`~lcsb_lightning.mebp.apply_mebp`, :func:`~lcsb_lightning.mebp.load_compressed` and
+    :class:`~lcsb_lightning.mebp.QuantizedMeBP` compress a model; checked once, when it is built.
+
+    The fields are the keys of the ``mebp`` Hydra group (``conf/mebp/int4.yaml``). Each function that
+    takes a config also takes the fields as keyword arguments: alone they build a config, beside a
+    config they override its fields (``dataclasses.replace``).
+
+    Args:
+        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        group_size: Weights per scale; must divide every converted layer's input features (for
+            ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096).
+        checkpoint: Per-block non-reentrant gradient checkpointing.
+        offload: ``"none"`` or ``"mmap"`` (a back-propagated block's saved tensors in memory-mapped files).
+        compress_embeddings: Also compress the input embedding and LM head.
+        ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
+            name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
+        weights: ``"ram"`` keeps the compressed weights in process memory; ``"mmap"`` writes them to
+            memory-mapped files and drops each layer's pages from the process after it ran (CPU,
+            Linux/macOS).
+        keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
+            backward recompute until that Linear's backward (one backward decompression per layer).
+            ``False`` decompresses it again there instead: the same gradients, bit for bit, with at
+            most one layer's float weight alive at a time, for one more decompression per layer.
+        release_heap: On CPU, return freed heap memory to the OS before each block runs and before
+            its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
+            from step to step, for a few percent of step time.
+        offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
+        sync_timing: Synchronise the device before and after every timed decompression, recompute and
+            backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
+            with CUDA events read when the figures are logged, and CPU work with the wall clock.
+
+    Raises:
+        ValueError: an unknown ``fmt``, ``offload`` or ``weights``, an unsupported ``group_size``, or
+            ``weights="mmap"`` where ``madvise`` is missing.
+        TypeError: a flag that is not a bool, ``ignore_modules`` that is not a collection of names.
+        ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
+
+    Example::
+
+        >>> config = MeBPConfig(fmt="int4", group_size=32)
+        >>> dataclasses.replace(config, weights="mmap").weights
+        'mmap'
+        >>> MeBPConfig.from_node({"_target_": "lcsb_lightning.mebp.QuantizedMeBP", "fmt": "int4"}).fmt
+        'int4'
+    """
+
+    fmt: str = "nf4"
+    group_size: int = 64
+    checkpoint: bool = True
+    offload: str = "none"
+    compress_embeddings: bool = True
+    ignore_modules: tuple[str, ...] = ()
+    weights: str = "ram"
+    keep_recomputed_weights: bool = True
+    release_heap: bool = True
+    offload_dir: str | None = None
+    sync_timing: bool = False
+
+    def __post_init__(self) -> None:
+        validate_format(self.fmt, self.group_size)
+        for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "compress_embeddings", "sync_timing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"`offload={self.offload!r}` is not supported; choose one of {_choices(OFFLOAD_MODES)}.")
+        if self.weights not in WEIGHT_STORAGE:
+            raise ValueError(f"`weights={self.weights!r}` is not supported; choose one of {_choices(WEIGHT_STORAGE)}.")
+        if self.weights == "mmap" and not mmap_supported():
+            raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
+        names: Any = self.ignore_modules
+        if not isinstance(names, str) and isinstance(names, Iterable):
+            names = tuple(names)  # a list, a generator, or Hydra's ListConfig
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"`ignore_modules` must be a collection of module names, got {self.ignore_modules!r}.")
+        object.__setattr__(self, "ignore_modules", names)
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)):
+                raise TypeError(f"`offload_dir` must be a directory path or None, got {self.offload_dir!r}.")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any]) -> MeBPConfig:
+        """The config of an ``mebp`` Hydra node (or any mapping), Hydra's ``_target_``-style keys ignored.
+
+        Raises:
+            TypeError: a key that is not a field (the message lists the fields), or a bad value as
+                in :class:`MeBPConfig`.
+        """
+        return build_config(None, {key: value for key, value in node.items() if not str(key).startswith("_")})
+
+
+def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
+    """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
+    if config is not None and not isinstance(config, MeBPConfig):
+        raise TypeError(
+            f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "
+            "(fmt=..., group_size=...) by keyword."
+        )
+    fields = tuple(field.name for field in dataclasses.fields(MeBPConfig))
+    unknown = [name for name in options if name not in fields]
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are {', '.join(fields)}.")
+    if config is None:
+        return MeBPConfig(**options)
+    return dataclasses.replace(config, **options) if options else config
