@@ -123,7 +123,9 @@ def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: 
     fields = tuple(field.name for field in dataclasses.fields(MeBPConfig))
     unknown = [name for name in options if name not in fields]
     if unknown:
-        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are {', '.join(fields)}.")
+        raise TypeError(
+            f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are {', '.join(fields)}."
+        )
     if config is None:
         return MeBPConfig(**options)
     return dataclasses.replace(config, **options) if options else config

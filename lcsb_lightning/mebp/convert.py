@@ -191,7 +191,9 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
     return done
 
 
-def apply_mebp(model: nn.Module, config: MeBPConfig | None = None, *, blocks: BlocksSpec = "auto", **options: Any) -> nn.Module:
+def apply_mebp(
+    model: nn.Module, config: MeBPConfig | None = None, *, blocks: BlocksSpec = "auto", **options: Any
+) -> nn.Module:
     """Convert ``model`` in place to MeBP training form and return it.
 
     Every ``nn.Linear`` inside the transformer blocks (found by ``isinstance``) and, with
