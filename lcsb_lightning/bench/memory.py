@@ -90,15 +90,15 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map="cpu", dtype=torch.float32)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     else:
-        from lcsb_lightning.mebp import QuantizedMeBP, load_compressed
+        from lcsb_lightning.mebp import MeBPConfig, QuantizedMeBP, load_compressed
 
         from hydra.utils import instantiate
 
         # Without a saved folder the random init is built from the shape's config, one tensor at a time.
         source = folder if folder is not None else instantiate(spec["model_config"])
-        options = ARM_OPTIONS.get(arm, {})
-        model = load_compressed(source, fmt=spec["fmt"], group_size=int(spec["group_size"]), checkpoint=True, **options)
-        plugins.append(QuantizedMeBP(fmt=spec["fmt"], group_size=int(spec["group_size"]), **options))
+        config = MeBPConfig(fmt=spec["fmt"], group_size=int(spec["group_size"]), **ARM_OPTIONS.get(arm, {}))
+        model = load_compressed(source, config)
+        plugins.append(QuantizedMeBP(config))
     rank = int(spec["rank"])
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear"))
     load_s = time.perf_counter() - start
