@@ -17,9 +17,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from lcsb_lightning import LCSBCallback
 from lcsb_lightning.controller import LCSBController
-from lcsb_lightning.forward_wrap import get_layer
+from lcsb_lightning.forward_wrap import get_wrapper
 from lcsb_lightning.policies import CyclicPolicy
-from lcsb_lightning.selective import LAYER_NAME
+from lcsb_lightning.selective import SELECTIVE_WRAPPER
 from lcsb_lightning.mebp import QuantizedMeBP
 from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
@@ -202,7 +202,7 @@ class EMAFromMidFit(WeightAveraging):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.copy_at:
-            assert all(get_layer(m, LAYER_NAME) is not None for m in pl_module.model.get_base_model().model.layers)
+            assert all(get_wrapper(m, SELECTIVE_WRAPPER) is not None for m in pl_module.model.get_base_model().model.layers)
             self._average_model = AveragedModel(pl_module, use_buffers=self._use_buffers, **self._kwargs)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -212,8 +212,8 @@ class EMAFromMidFit(WeightAveraging):
             self._check(pl_module.model, self._average_model.module, batch)  # type: ignore[union-attr]
 
     def _check(self, original: nn.Module, averaged: Any, batch: Any) -> None:
-        assert all(get_layer(m, LAYER_NAME) is None for m in averaged.modules())  # LCSB's layer stayed behind
-        assert all(get_layer(m, LAYER_NAME) is not None for m in original.get_base_model().model.layers)
+        assert all(get_wrapper(m, SELECTIVE_WRAPPER) is None for m in averaged.modules())  # LCSB's wrapper stayed behind
+        assert all(get_wrapper(m, SELECTIVE_WRAPPER) is not None for m in original.get_base_model().model.layers)
         assert not all(torch.equal(p, q) for p, q in zip(averaged.model.parameters(), original.parameters()))
         self.twin.load_state_dict(averaged.state_dict())  # parameters and buffers (the EMA averages both)
         losses, grads = [], []
