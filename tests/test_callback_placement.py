@@ -50,7 +50,7 @@ def test_model_built_in_configure_model() -> None:
     module = BuiltInConfigureModel()
     lcsb = LCSBCallback("cyclic", layers_per_step=1, log_every_n_steps=0)
     quiet_trainer(max_steps=4, callbacks=[lcsb]).fit(module, token_batches(num_batches=4, seq=12, vocab=64))
-    # cyclic k=1 with the truncated backward: the selected block and every block above it train
+    # cyclic k=1 with the all_reached backward: the selected block and every block above it train
     assert lcsb.selection_counts == [1, 2, 3, 4]
 
 
@@ -141,7 +141,7 @@ class InPlaceLM(TokenLM):
 class GradientsAgainstFullBackprop(Callback):
     """Before LCSB touches them, compares each step's gradients with full backprop on a twin that never had
     LCSB installed (same weights, same batch): blocks from the lowest selected one up get the exact
-    gradient (the truncated backward), blocks below it an exact zero."""
+    gradient (the all_reached backward), blocks below it an exact zero."""
 
     def __init__(self, twin: TokenLM, lcsb: LCSBCallback) -> None:
         self.twin, self.lcsb = twin, lcsb
@@ -179,7 +179,7 @@ def test_in_place_op_on_a_skipped_block_output() -> None:
     initial = [[p.detach().clone() for p in params] for params in check.lora(module)]
     quiet_trainer(max_steps=4, callbacks=[check, lcsb]).fit(module, token_batches(num_batches=4, seq=12, vocab=64))
     assert len(module.losses) == 4 and all(torch.isfinite(torch.tensor(module.losses)))
-    # cyclic k=1, truncated: step t trains blocks t..3 with their exact gradients (checked at every step)
+    # cyclic k=1, all_reached: step t trains blocks t..3 with their exact gradients (checked at every step)
     assert check.checked_selections == [(0, 1, 2, 3), (1, 2, 3), (2, 3), (3,)]
     final = check.lora(module)
     assert all(not torch.equal(a, b) for before, after in zip(initial, final) for a, b in zip(before, after))

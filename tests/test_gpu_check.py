@@ -37,7 +37,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_defaults_are_the_issue_settings() -> None:
     args = gpu_check.parse_args([])
     assert (args.steps, args.warmup, args.arms, args.seq_len, args.shape) == (20, 3, gpu_check.ARMS, 256, "qwen2.5_0.5b")
-    assert (args.out, args.device, args.lcsb_backward, args.preflight) == (Path("gpu_check.json"), "cuda", "truncated", False)
+    assert (args.out, args.device, args.lcsb_backward, args.preflight) == (Path("gpu_check.json"), "cuda", "all_reached", False)
 
 
 def test_arguments_are_parsed() -> None:
@@ -149,7 +149,7 @@ def _check_arm_trains(name: str, folder: Path, device: torch.device, dtype: torc
         lora_b = {n for n in before if "lora_B" in n}  # zero-initialised: moves only with a gradient
         assert len(lora_b) == 2 * 7 and all(not torch.equal(before[n], after[n]) for n in lora_b)
         assert all(p.dtype == torch.float32 for p in after.values())
-        # qlora: no compressed blocks; mebp: both blocks; mebp_lcsb's step 0: cyclic group (0,), truncated to (0, 1)
+        # qlora: no compressed blocks; mebp: both blocks; mebp_lcsb's step 0: cyclic group (0,), all_reached: (0, 1)
         assert first.backward_blocks == (None if name == "qlora" else (0, 1))
         if name == "mebp_lcsb":
             second = gpu_check.train_step(arm, ids)

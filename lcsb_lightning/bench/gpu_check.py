@@ -84,8 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON output path")
     p.add_argument("--seq-len", type=_at_least(2), default=256, help="tokens per sequence, batch 1 (default 256)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5_0.5b", help="model shape (default qwen2.5_0.5b)")
-    p.add_argument("--lcsb-backward", choices=BACKWARD_MODES, default="truncated",
-                   help="LCSBCallback's backward for mebp_lcsb (default: the callback's, truncated)")
+    p.add_argument("--lcsb-backward", choices=BACKWARD_MODES, default="all_reached",
+                   help="LCSBCallback's backward for mebp_lcsb (default: the callback's, all_reached)")
     p.add_argument("--model-dir", type=Path, default=None, help="keep the random init here (reused if it has a config.json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preflight", action="store_true", help="only check the arguments and CUDA, then exit")
@@ -168,7 +168,7 @@ class StepRecord:
 
 
 def build_arm(name: str, folder: Path, device: torch.device, dtype: torch.dtype, rank: int = 8, lr: float = 1e-4,
-              fraction: float = 0.25, backward: str = "truncated") -> Arm:
+              fraction: float = 0.25, backward: str = "all_reached") -> Arm:
     """Build one arm (see the module docstring) from the random-init ``folder``.
 
     Args:
