@@ -12,10 +12,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" PYTHONUNBUFFERED=1
-"$py" -m lcsb_lightning.bench.gpu_check --preflight "$@"
+"$py" -m benchmarks.gpu_check --preflight "$@"
 tests=0
 "$py" -m pytest -q -rs "$root/tests/test_gpu_check.py" -k on_cuda || tests=$?
-"$py" -m lcsb_lightning.bench.gpu_check "$@"
+"$py" -m benchmarks.gpu_check "$@"
 if [[ $tests -ne 0 ]]; then
     echo "gpu_check.sh: the CUDA tests failed (pytest exit code $tests); the measurements above ran anyway" >&2
     exit "$tests"

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["PYTHONPATH"] = checkout
             os.chdir(checkout)
             spec = {"arm": arm, "model_config": SHAPES[args.shape], "folder": None, "fmt": "nf4", "group_size": 64,
-                    "fraction": 0.25, "backward": "truncated", "seq_len": 256, "rank": 8, "warmup": args.warmup,
+                    "fraction": 0.25, "backward": "all_reached", "seq_len": 256, "rank": 8, "warmup": args.warmup,
                     "steps": args.steps, "malloc": "default"}
             load = os.getloadavg()[0]
             figures = memory.measure(spec, args.out / f"round{round_index}_arm{index}.json")

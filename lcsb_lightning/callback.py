@@ -14,6 +14,7 @@ from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
+from lcsb_lightning.selective import DEPRECATED_BACKWARD_MODES
 from lcsb_lightning.selection_image import probe_image, selection_image
 
 _PROBES_KEPT = 10_000
@@ -51,7 +52,7 @@ class LCSBCallback(Callback):
     strategy's wrapping), and removes itself when fit ends, fails or is interrupted.
 
     The defaults are the configuration that won this project's study on the real SmolLM2
-    (docs/results.md): ``policy="dyadic"`` with ``backward="truncated"`` back-propagates, exactly, the top
+    (docs/results.md): ``policy="dyadic"`` with ``backward="all_reached"`` back-propagates, exactly, the top
     N/8 blocks every step, N/4 every second step, N/2 every fourth and all of them every eighth. The
     LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
 
@@ -61,10 +62,11 @@ class LCSBCallback(Callback):
         layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
             cyclic, random, grad_norm, freeze).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
-        backward: ``"truncated"``: the backward runs exactly from the top down to the lowest selected
-            block and stops there, and every block it passes trains with its exact gradient (it costs
-            their LoRA weight gradients, rank-r matmuls, and nothing below). ``"exact"``: the same
-            backward, but only the selected blocks train. ``"identity"`` (the paper's): a non-selected
+        backward: ``"all_reached"``: the backward runs exactly from the top down to the lowest selected
+            block and stops there, and every block it reaches trains with its exact gradient (it costs
+            their LoRA weight gradients, rank-r matmuls, and nothing below). ``"selected_only"``: the
+            same backward, but only the selected blocks train. ``"truncated"`` and ``"exact"``, their
+            names before 0.5, are deprecated aliases. ``"identity"`` (the paper's): a non-selected
             block runs under ``no_grad`` and its output enters the graph with an identity Jacobian, so
             it costs no backward, no recompute and no weight decompression, but the gradients of the
             blocks below it are approximations (poor ones on deep models: docs/results.md).
@@ -106,7 +108,7 @@ class LCSBCallback(Callback):
         policy: str | SelectionPolicy = "dyadic",
         layers_per_step: int | None = None,
         fraction: float | None = None,
-        backward: str = "truncated",
+        backward: str = "all_reached",
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
         switch_every: int = 1,
@@ -115,7 +117,7 @@ class LCSBCallback(Callback):
         probe_every: int = 0,
         update_scale: str = "none",
     ) -> None:
-        validate_modes(backward, momentum, update_scale)
+        backward = validate_modes(backward, momentum, update_scale)
         for name, value in (("log_every_n_steps", log_every_n_steps), ("probe_every", probe_every)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
@@ -285,6 +287,14 @@ class LCSBCallback(Callback):
                 rank_zero_warn(f"{type(logger).__name__} cannot log images; LCSB's images ({tag}) are skipped.")
 
     # ------------------------------------------------------------------------------------- state
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint of 0.4 keys this callback's state by the backward's deprecated name.
+        states = checkpoint.get("callbacks") or {}
+        for old, new in DEPRECATED_BACKWARD_MODES.items():
+            old_key = self._generate_state_key(policy=type(self.policy).__name__, backward=old)
+            if new == self.backward and old_key in states and self.state_key not in states:
+                states[self.state_key] = states.pop(old_key)
+
     def state_dict(self) -> dict[str, Any]:
         if self.controller is None:
             return dict(self._pending_state or {})

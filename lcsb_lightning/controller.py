@@ -11,15 +11,20 @@ from torch.optim import Optimizer
 
 from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params
 from lcsb_lightning.policies import SelectionPolicy
-from lcsb_lightning.selective import SelectiveBackprop
+from lcsb_lightning.selective import SelectiveBackprop, normalize_backward
 
-BACKWARD_MODES = ("identity", "exact", "truncated")
+BACKWARD_MODES = ("identity", "selected_only", "all_reached")
 MOMENTUM_MODES = ("implicit", "skip", "reset")
 UPDATE_SCALES = ("none", "sqrt_period")
 
 
-def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> None:
-    """Raise if ``backward``, ``momentum`` or ``update_scale`` is not a supported mode name (or they clash)."""
+def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> str:
+    """Raise if ``backward``, ``momentum`` or ``update_scale`` is not a supported mode name (or they clash).
+
+    Returns:
+        ``backward`` under its current name (see :func:`normalize_backward`).
+    """
+    backward = normalize_backward(backward)
     if backward not in BACKWARD_MODES:
         raise ValueError(f"`backward={backward!r}` is not supported; allowed: {', '.join(BACKWARD_MODES)}.")
     if momentum not in MOMENTUM_MODES:
@@ -31,6 +36,7 @@ def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> 
             f"`update_scale={update_scale!r}` compensates what implicit momentum does to a block trained every "
             f"P-th step; it needs `momentum='implicit'`, got {momentum!r}."
         )
+    return backward
 
 
 class LCSBController:
@@ -52,7 +58,7 @@ class LCSBController:
         >>> net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
         >>> opt = torch.optim.AdamW(net[1].parameters())
         >>> ctl = LCSBController(net, CyclicPolicy(layers_per_step=2), momentum="implicit")
-        >>> ctl.begin_step(0, [opt])  # group (0, 1); the truncated backward also trains the blocks above it
+        >>> ctl.begin_step(0, [opt])  # group (0, 1); `all_reached` also trains the blocks above it
         (0, 1, 2, 3)
         >>> ctl.begin_step(1, [opt])
         (2, 3)
@@ -63,12 +69,12 @@ class LCSBController:
         self,
         model: nn.Module,
         policy: SelectionPolicy,
-        backward: str = "truncated",
+        backward: str = "all_reached",
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
         update_scale: str = "none",
     ) -> None:
-        validate_modes(backward, momentum, update_scale)
+        backward = validate_modes(backward, momentum, update_scale)
         self.policy, self.backward, self.momentum, self.update_scale = policy, backward, momentum, update_scale
         self.block_params: BlockParams = map_trainable_params(model, blocks)
         policy.setup(self.block_params.num_blocks)
@@ -83,7 +89,8 @@ class LCSBController:
         # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
-            self.block_params.blocks, self.block_params.params_per_block, "identity" if backward == "identity" else "exact"
+            self.block_params.blocks, self.block_params.params_per_block,
+            "identity" if backward == "identity" else "selected_only",
         )
 
     @property
@@ -101,7 +108,7 @@ class LCSBController:
         if step == self.selected_at_step:
             return None
         previous, selection = self.selection, self.policy.select(step)
-        if self.backward == "truncated" and selection:
+        if self.backward == "all_reached" and selection:
             # The exact backward runs from the top down to the lowest selected block anyway; every block
             # it passes gets its exact gradient almost for free (LoRA weight gradients are rank-r).
             selection = tuple(range(min(selection), self.num_blocks))
@@ -130,7 +137,7 @@ class LCSBController:
             self.policy.observe(norms)
         chosen = set(self.selection)
         in_optimizer = self._param_ids(optimizer)
-        # Identity-path blocks already hold exact zeros; "exact" ones a gradient passed through them
+        # Identity-path blocks already hold exact zeros; the others a gradient passed through them
         # may have computed, which is not theirs to use this step. The last list: trainable tensors below
         # the first block (an embedding), which train on the steps whose backward reaches them.
         known_zero = self.backward == "identity"

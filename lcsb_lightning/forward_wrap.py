@@ -1,15 +1,15 @@
-"""A per-instance stack of named ``forward`` layers that compose, come off in any order, copy and pickle.
+"""A per-instance stack of named ``forward`` wrappers that compose, come off in any order, copy and pickle.
 
 LCSB's selective backprop and QuantizedMeBP's per-block checkpointing both change how a transformer
-block runs its forward. Each installs a *layer*: an object with a ``name`` and a
+block runs its forward. Each installs a *forward wrapper*: an object with a ``name`` and a
 ``__call__(inner, *args, **kwargs)`` that decides how (or whether) to call ``inner``, the forward
-below it. All layers of a module live in one :class:`ForwardStack` stored as the instance's
+below it. All wrappers of a module live in one :class:`ForwardStack` stored as the instance's
 ``forward``; the class's own forward (or whatever instance-level forward was there before) sits at
-the bottom. Layers can be installed and removed in any order; removing the last one restores exactly
+the bottom. Wrappers can be installed and removed in any order; removing the last one restores exactly
 the forward that was there before.
 
-The stack is a plain object (no closures), so ``copy.deepcopy`` gives a copy whose layers act on the
-copy, and ``pickle``/``torch.save(model)`` work. Layers marked ``persistent = False`` (LCSB's, owned
+The stack is a plain object (no closures), so ``copy.deepcopy`` gives a copy whose wrappers act on the
+copy, and ``pickle``/``torch.save(model)`` work. Wrappers marked ``persistent = False`` (LCSB's, owned
 by one running fit) are left out of copies and pickles: a copy of a model that is being trained with
 LCSB is an ordinary model.
 """
@@ -21,8 +21,8 @@ from typing import Any, Callable, Protocol
 from torch import nn
 
 
-class ForwardLayer(Protocol):
-    """What :func:`install_layer` accepts."""
+class ForwardWrapper(Protocol):
+    """What :func:`install_wrapper` accepts."""
 
     name: str
     persistent: bool
@@ -31,7 +31,7 @@ class ForwardLayer(Protocol):
 
 
 class _Inner:
-    """``inner`` for layer ``index`` of a stack: calls the layer below it, or the base forward."""
+    """``inner`` for wrapper ``index`` of a stack: calls the wrapper below it, or the base forward."""
 
     __slots__ = ("stack", "index")
 
@@ -43,35 +43,35 @@ class _Inner:
 
 
 class ForwardStack:
-    """The instance-level ``forward`` of a module: its layers around the forward found at install time.
+    """The instance-level ``forward`` of a module: its wrappers around the forward found at install time.
 
-    Layers run outermost first; ``layers[0]`` is the innermost.
+    Wrappers run outermost first; ``wrappers[0]`` is the innermost.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         # An instance-level forward installed by someone else before us stays at the bottom.
         self.base: Callable[..., Any] | None = vars(module).get("forward")
-        self.layers: list[ForwardLayer] = []
+        self.wrappers: list[ForwardWrapper] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(len(self.layers) - 1, args, kwargs)
+        return self._call(len(self.wrappers) - 1, args, kwargs)
 
     def _call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if index < 0:
             if self.base is not None:
                 return self.base(*args, **kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
-        return self.layers[index](_Inner(self, index - 1), *args, **kwargs)
+        return self.wrappers[index](_Inner(self, index - 1), *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module, "base": self.base, "layers": [layer for layer in self.layers if layer.persistent]}
+        return {"module": self.module, "base": self.base, "wrappers": [w for w in self.wrappers if w.persistent]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        return f"ForwardStack({type(self.module).__name__}, layers={[layer.name for layer in self.layers]})"
+        return f"ForwardStack({type(self.module).__name__}, wrappers={[wrapper.name for wrapper in self.wrappers]})"
 
 
 def forward_stack(module: nn.Module) -> ForwardStack | None:
@@ -80,13 +80,13 @@ def forward_stack(module: nn.Module) -> ForwardStack | None:
     return found if isinstance(found, ForwardStack) else None
 
 
-def install_layer(module: nn.Module, layer: ForwardLayer) -> ForwardStack:
-    """Add ``layer`` as the outermost layer of ``module``'s forward.
+def install_wrapper(module: nn.Module, wrapper: ForwardWrapper) -> ForwardStack:
+    """Add ``wrapper`` as the outermost wrapper of ``module``'s forward.
 
-    Returns the stack the layer went into (keep it to remove the layer later).
+    Returns the stack the wrapper went into (keep it to remove the wrapper later).
 
     Raises:
-        RuntimeError: ``module`` already has a layer of that name.
+        RuntimeError: ``module`` already has a wrapper of that name.
 
     Example::
 
@@ -97,43 +97,43 @@ def install_layer(module: nn.Module, layer: ForwardLayer) -> ForwardStack:
         ...         return 2 * inner(*args, **kwargs)
         >>> linear = nn.Linear(2, 2)
         >>> x = torch.ones(1, 2)
-        >>> _ = install_layer(linear, Double())
+        >>> _ = install_wrapper(linear, Double())
         >>> bool(torch.equal(linear(x), 2 * type(linear).forward(linear, x)))
         True
-        >>> remove_layer(linear, "double"), "forward" in vars(linear)
+        >>> remove_wrapper(linear, "double"), "forward" in vars(linear)
         (True, False)
     """
     stack = forward_stack(module)
     if stack is None:
         stack = ForwardStack(module)
         module.forward = stack  # type: ignore[method-assign]
-    if any(existing.name == layer.name for existing in stack.layers):
-        raise RuntimeError(f"{type(module).__name__} already has the forward layer {layer.name!r} installed.")
-    stack.layers.append(layer)
+    if any(existing.name == wrapper.name for existing in stack.wrappers):
+        raise RuntimeError(f"{type(module).__name__} already has the forward wrapper {wrapper.name!r} installed.")
+    stack.wrappers.append(wrapper)
     return stack
 
 
-def get_layer(module: nn.Module, name: str) -> ForwardLayer | None:
-    """The installed layer called ``name``, or ``None``."""
+def get_wrapper(module: nn.Module, name: str) -> ForwardWrapper | None:
+    """The installed wrapper called ``name``, or ``None``."""
     stack = forward_stack(module)
-    return next((layer for layer in stack.layers if layer.name == name), None) if stack is not None else None
+    return next((wrapper for wrapper in stack.wrappers if wrapper.name == name), None) if stack is not None else None
 
 
-def remove_layer(module: nn.Module, name: str, stack: ForwardStack | None = None) -> bool:
-    """Remove the layer called ``name`` wherever it sits; returns whether one was removed.
+def remove_wrapper(module: nn.Module, name: str, stack: ForwardStack | None = None) -> bool:
+    """Remove the wrapper called ``name`` wherever it sits; returns whether one was removed.
 
-    When the last layer goes and the stack is still the module's forward, the forward that was there
-    before the first install is restored exactly. ``stack`` is the stack the layer was installed in
-    (remembered by its owner): it lets a layer be removed even after a foreign wrapper has replaced
+    When the last wrapper goes and the stack is still the module's forward, the forward that was there
+    before the first install is restored exactly. ``stack`` is the stack the wrapper was installed in
+    (remembered by its owner): it lets a wrapper be removed even after a foreign function has replaced
     the module's forward on top of the stack, which then keeps working as a pass-through.
     """
     stack = stack if stack is not None else forward_stack(module)
     if stack is None:
         return False
-    kept = [layer for layer in stack.layers if layer.name != name]
-    if len(kept) == len(stack.layers):
+    kept = [wrapper for wrapper in stack.wrappers if wrapper.name != name]
+    if len(kept) == len(stack.wrappers):
         return False
-    stack.layers = kept
+    stack.wrappers = kept
     if not kept and vars(module).get("forward") is stack:
         if stack.base is not None:
             module.forward = stack.base  # type: ignore[method-assign]

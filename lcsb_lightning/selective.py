@@ -8,7 +8,7 @@ backward, ``requires_grad`` is never changed, and every trainable parameter rece
 every step, so plain DDP needs no ``find_unused_parameters`` and AdamW sees the zero of LCSB's
 "implicit updates".
 
-Each block carries one :class:`SelectiveLayer` in its :class:`~lcsb_lightning.forward_wrap.ForwardStack`,
+Each block carries one :class:`SelectiveForward` in its :class:`~lcsb_lightning.forward_wrap.ForwardStack`,
 in one of three modes:
 
 ========== ===================================================================================
@@ -36,11 +36,27 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lcsb_lightning.forward_wrap import ForwardStack, get_layer, install_layer, remove_layer
+from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
 
-#: Name of LCSB's layer in a block's forward stack.
-LAYER_NAME = "lcsb_selective"
+#: Name of LCSB's wrapper in a block's forward stack.
+SELECTIVE_WRAPPER = "lcsb_selective"
 MODES = ("train", "skip", "pass")
+#: The backward modes' names before 0.5 (deprecated, removed in 0.6) and the mode each one is now.
+DEPRECATED_BACKWARD_MODES = {"exact": "selected_only", "truncated": "all_reached"}
+
+
+def normalize_backward(backward: str) -> str:
+    """``backward`` under its current name: a deprecated name is mapped, with a ``DeprecationWarning``."""
+    if backward not in DEPRECATED_BACKWARD_MODES:
+        return backward
+    from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation  # only here: the core imports no Lightning
+
+    new = DEPRECATED_BACKWARD_MODES[backward]
+    rank_zero_deprecation(
+        f"`backward={backward!r}` is deprecated since 0.5 and will be removed in 0.6; use `backward={new!r}` "
+        "(the same computation)."
+    )
+    return new
 
 
 class IdentityPath(torch.autograd.Function):
@@ -151,10 +167,10 @@ class _Sinks:
         return _replace_hidden(output, attach)
 
 
-class SelectiveLayer:
-    """LCSB's forward layer on one block (see the module docstring for the modes)."""
+class SelectiveForward:
+    """LCSB's forward wrapper on one block (see the module docstring for the modes)."""
 
-    name = LAYER_NAME
+    name = SELECTIVE_WRAPPER
     persistent = False  # owned by one fit: copies and pickles of the model leave it out
 
     def __init__(
@@ -176,7 +192,7 @@ class SelectiveLayer:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         if self.cuts() and _in_backward():
-            # A reentrant checkpoint applied outside this layer ran the forward without gradients, so
+            # A reentrant checkpoint applied outside this wrapper ran the forward without gradients, so
             # nothing was cut, and now recomputes it in backward: it must run as it did.
             self.sinks.warn_uncut(self.index)
             return inner(*args, **kwargs)
@@ -204,7 +220,7 @@ class SelectiveLayer:
         return identity_path_output(hidden_in, output, [*pending, *trainable])
 
     def __repr__(self) -> str:
-        return f"SelectiveLayer(mode={self.mode!r}, index={self.index}, params={len(self.params)})"
+        return f"SelectiveForward(mode={self.mode!r}, index={self.index}, params={len(self.params)})"
 
 
 def _in_backward() -> bool:
@@ -229,7 +245,7 @@ def _trainable_leaves(tensor: torch.Tensor, limit: int = 10_000) -> list[torch.T
 
 
 def _uses_reentrant_checkpoint(block: nn.Module) -> bool:
-    """Whether ``block`` is a Hugging Face layer whose forward runs under a reentrant checkpoint."""
+    """Whether ``block`` is a Hugging Face block whose forward runs under a reentrant checkpoint."""
     if not getattr(block, "gradient_checkpointing", False) or not block.training:
         return False
     function = getattr(block, "_gradient_checkpointing_func", None)
@@ -239,18 +255,18 @@ def _uses_reentrant_checkpoint(block: nn.Module) -> bool:
 
 def cuts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether LCSB cuts this call of ``block`` (False where LCSB is not installed)."""
-    layer = get_layer(block, LAYER_NAME)
-    return isinstance(layer, SelectiveLayer) and layer.cuts()
+    wrapper = get_wrapper(block, SELECTIVE_WRAPPER)
+    return isinstance(wrapper, SelectiveForward) and wrapper.cuts()
 
 
 def is_skipped(block: nn.Module) -> bool:
     """Whether ``block`` is outside LCSB's current selection (False when LCSB is not installed)."""
-    layer = get_layer(block, LAYER_NAME)
-    return isinstance(layer, SelectiveLayer) and layer.mode != "train"
+    wrapper = get_wrapper(block, SELECTIVE_WRAPPER)
+    return isinstance(wrapper, SelectiveForward) and wrapper.mode != "train"
 
 
 class SelectiveBackprop:
-    """Installs :class:`SelectiveLayer` on a list of blocks and switches which blocks are selected.
+    """Installs :class:`SelectiveForward` on a list of blocks and switches which blocks are selected.
 
     Works without Lightning: ``set_selection`` before the forward pass decides which blocks are
     back-propagated. In evaluation (gradients disabled) every block runs unchanged.
@@ -258,8 +274,9 @@ class SelectiveBackprop:
     Args:
         blocks: The transformer blocks, in order.
         params_per_block: The trainable parameters of each block (they get zero gradients when cut).
-        backward: ``"identity"`` (non-selected blocks use the identity path) or ``"exact"``
-            (non-selected blocks keep exact gradients flowing to the selected ones).
+        backward: ``"identity"`` (non-selected blocks use the identity path) or ``"selected_only"``
+            (non-selected blocks keep exact gradients flowing to the selected ones; ``"exact"`` is its
+            deprecated name).
 
     Example::
 
@@ -282,22 +299,23 @@ class SelectiveBackprop:
         params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
         backward: str = "identity",
     ) -> None:
-        if backward not in ("identity", "exact"):
-            raise ValueError(f"`backward={backward!r}` is not supported; allowed: identity, exact.")
+        backward = normalize_backward(backward)
+        if backward not in ("identity", "selected_only"):
+            raise ValueError(f"`backward={backward!r}` is not supported; allowed: identity, selected_only.")
         self.blocks = list(blocks)
         params = params_per_block if params_per_block is not None else [[] for _ in self.blocks]
         if len(params) != len(self.blocks):
             raise ValueError(f"{len(params)} parameter lists for {len(self.blocks)} blocks.")
         self.backward = backward
         self.selected: tuple[int, ...] | None = None  # None: every block trains
-        self.layers: list[SelectiveLayer] = []
+        self.wrappers: list[SelectiveForward] = []
         self._stacks: list[ForwardStack] = []
         self.sinks = _Sinks()
         try:
             for index, (block, block_params) in enumerate(zip(self.blocks, params)):
-                layer = SelectiveLayer(block_params, self.sinks, first=index == 0, index=index)
-                self._stacks.append(install_layer(block, layer))
-                self.layers.append(layer)
+                wrapper = SelectiveForward(block_params, self.sinks, first=index == 0, index=index)
+                self._stacks.append(install_wrapper(block, wrapper))
+                self.wrappers.append(wrapper)
         except BaseException:
             self.remove()
             raise
@@ -307,9 +325,9 @@ class SelectiveBackprop:
         chosen = set(selected)
         self.selected = tuple(sorted(chosen))
         other = "skip" if self.backward == "identity" else "pass"
-        for index, layer in enumerate(self.layers):
-            layer.mode = "train" if index in chosen else other
-        self.sinks.lowest = min(chosen, default=len(self.layers)) if other == "pass" else 0
+        for index, wrapper in enumerate(self.wrappers):
+            wrapper.mode = "train" if index in chosen else other
+        self.sinks.lowest = min(chosen, default=len(self.wrappers)) if other == "pass" else 0
         lowest = self.sinks.lowest
         self.sinks.leaf_for_reentrant = 0 < lowest < len(self.blocks) and _uses_reentrant_checkpoint(self.blocks[lowest])
 
@@ -325,13 +343,13 @@ class SelectiveBackprop:
 
     def clear(self) -> None:
         """Back-propagate through every block (as if nothing were installed)."""
-        for layer in self.layers:
-            layer.mode = "train"
+        for wrapper in self.wrappers:
+            wrapper.mode = "train"
         self.selected = None
         self.sinks.lowest, self.sinks.leaf_for_reentrant = 0, False
 
     def remove(self) -> None:
-        """Remove the layers; each block's forward is exactly what it was before (idempotent)."""
+        """Remove the wrappers; each block's forward is exactly what it was before (idempotent)."""
         for block, stack in zip(self.blocks, self._stacks):
-            remove_layer(block, LAYER_NAME, stack)
-        self.layers, self._stacks = [], []
+            remove_wrapper(block, SELECTIVE_WRAPPER, stack)
+        self.wrappers, self._stacks = [], []

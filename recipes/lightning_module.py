@@ -3,7 +3,7 @@
 
 Fine-tunes LoRA adapters of SmolLM2-135M-Instruct on Python's own documentation text, with
 
-* ``LCSBCallback("dyadic", backward="exact")``: each step back-propagates only the top blocks (all of
+* ``LCSBCallback("dyadic", backward="selected_only")``: each step back-propagates only the top blocks (all of
   them every 8th step), with exact gradients; and
 * ``QuantizedMeBP(fmt="int4")``: the frozen weights stay 4-bit and every block is recomputed in backward.
 
@@ -71,7 +71,7 @@ def main() -> None:
         max_steps=args.steps,
         accelerator="cpu",
         plugins=[QuantizedMeBP(fmt="int4", group_size=32 if args.tiny else 64)],
-        callbacks=[LCSBCallback("dyadic", backward="exact")],
+        callbacks=[LCSBCallback("dyadic", backward="selected_only")],
         logger=False,
         enable_checkpointing=False,
     )

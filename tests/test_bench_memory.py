@@ -20,7 +20,7 @@ MODEL_AND_TRAINING_BOUND_MB = 200
 
 def spec(arm: str, folder: Path | None) -> dict:
     return {"arm": arm, "model_config": TINY_QWEN2, "folder": str(folder) if folder else None, "fmt": "int4",
-            "group_size": 32, "fraction": 0.5, "backward": "truncated", "seq_len": 16, "rank": 4, "warmup": 1,
+            "group_size": 32, "fraction": 0.5, "backward": "all_reached", "seq_len": 16, "rank": 4, "warmup": 1,
             "steps": 1, "malloc": "default"}
 
 

@@ -59,7 +59,7 @@ def test_momentum_modes(residual_net, momentum: str) -> None:
 
 def test_selection_changes_only_at_optimizer_steps_under_accumulation(residual_net) -> None:
     model = TokenLM(residual_net(num_blocks=4))
-    lcsb = LCSBCallback("cyclic", layers_per_step=2, backward="exact")
+    lcsb = LCSBCallback("cyclic", layers_per_step=2, backward="selected_only")
     recorder = _fit(model, lcsb, steps=3, accumulate_grad_batches=2)
     assert recorder.selections == [(0, 1), (0, 1), (2, 3), (2, 3), (0, 1), (0, 1)]
     assert lcsb.selection_counts == [2, 2, 1, 1]
@@ -67,7 +67,7 @@ def test_selection_changes_only_at_optimizer_steps_under_accumulation(residual_n
 
 def test_trains_peft_llama_in_an_ordinary_lightning_module() -> None:
     model = TokenLM(tiny_llama_peft(num_layers=4), lr=5e-3)
-    lcsb = LCSBCallback("cyclic", fraction=0.5, backward="exact", log_every_n_steps=0)
+    lcsb = LCSBCallback("cyclic", fraction=0.5, backward="selected_only", log_every_n_steps=0)
     trainer = quiet_trainer(max_steps=12, callbacks=[lcsb])
     trainer.fit(model, token_batches(num_batches=2, seq=16))
     assert lcsb.selection_counts == [6, 6, 6, 6]
@@ -76,16 +76,16 @@ def test_trains_peft_llama_in_an_ordinary_lightning_module() -> None:
     assert lora and all(p.requires_grad for p in lora)
 
 
-def test_defaults_are_dyadic_with_the_truncated_backward(residual_net) -> None:
+def test_defaults_are_dyadic_with_the_all_reached_backward(residual_net) -> None:
     lcsb = LCSBCallback(log_every_n_steps=0)
-    assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "truncated"
+    assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "all_reached"
     recorder = _fit(TokenLM(residual_net(num_blocks=8)), lcsb, steps=8)
     assert [len(s) for s in recorder.selections] == [8, 1, 2, 1, 4, 1, 2, 1]  # N, N/8, N/4, N/8, N/2, ...
     assert all(s == tuple(range(8 - len(s), 8)) for s in recorder.selections)  # always the top blocks
 
 
-def test_truncated_backward_trains_every_block_above_the_selection(residual_net) -> None:
-    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="truncated", log_every_n_steps=0)
+def test_all_reached_backward_trains_every_block_above_the_selection(residual_net) -> None:
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="all_reached", log_every_n_steps=0)
     recorder = _fit(TokenLM(residual_net(num_blocks=4)), lcsb, steps=4)
     assert recorder.selections == [(0, 1, 2, 3), (1, 2, 3), (2, 3), (3,)]
     assert lcsb.selection_counts == [1, 2, 3, 4]
@@ -136,7 +136,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, freeze, full, grad_norm, random\.$"),
-        (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, exact, truncated\.$"),
+        (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(layers_per_step=1, momentum="adam"), ValueError, r"`momentum='adam'` is not supported; allowed: implicit, skip, reset\.$"),
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
         (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
@@ -165,7 +165,7 @@ def test_fit_time_errors(residual_net) -> None:
     assert all(p.requires_grad for p in model.model.stack.parameters())
 
 
-@pytest.mark.parametrize(("backward", "exact_blocks"), [("exact", True), ("identity", False)])
+@pytest.mark.parametrize(("backward", "exact_blocks"), [("selected_only", True), ("identity", False)])
 def test_probe_measures_the_fidelity_of_the_gradient_used(tmp_path: Path, backward: str, exact_blocks: bool) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -17,9 +17,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from lcsb_lightning import LCSBCallback
 from lcsb_lightning.controller import LCSBController
-from lcsb_lightning.forward_wrap import get_layer
+from lcsb_lightning.forward_wrap import get_wrapper
 from lcsb_lightning.policies import CyclicPolicy
-from lcsb_lightning.selective import LAYER_NAME
+from lcsb_lightning.selective import SELECTIVE_WRAPPER
 from lcsb_lightning.mebp import QuantizedMeBP
 from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
@@ -50,7 +50,7 @@ def test_model_built_in_configure_model() -> None:
     module = BuiltInConfigureModel()
     lcsb = LCSBCallback("cyclic", layers_per_step=1, log_every_n_steps=0)
     quiet_trainer(max_steps=4, callbacks=[lcsb]).fit(module, token_batches(num_batches=4, seq=12, vocab=64))
-    # cyclic k=1 with the truncated backward: the selected block and every block above it train
+    # cyclic k=1 with the all_reached backward: the selected block and every block above it train
     assert lcsb.selection_counts == [1, 2, 3, 4]
 
 
@@ -141,7 +141,7 @@ class InPlaceLM(TokenLM):
 class GradientsAgainstFullBackprop(Callback):
     """Before LCSB touches them, compares each step's gradients with full backprop on a twin that never had
     LCSB installed (same weights, same batch): blocks from the lowest selected one up get the exact
-    gradient (the truncated backward), blocks below it an exact zero."""
+    gradient (the all_reached backward), blocks below it an exact zero."""
 
     def __init__(self, twin: TokenLM, lcsb: LCSBCallback) -> None:
         self.twin, self.lcsb = twin, lcsb
@@ -179,7 +179,7 @@ def test_in_place_op_on_a_skipped_block_output() -> None:
     initial = [[p.detach().clone() for p in params] for params in check.lora(module)]
     quiet_trainer(max_steps=4, callbacks=[check, lcsb]).fit(module, token_batches(num_batches=4, seq=12, vocab=64))
     assert len(module.losses) == 4 and all(torch.isfinite(torch.tensor(module.losses)))
-    # cyclic k=1, truncated: step t trains blocks t..3 with their exact gradients (checked at every step)
+    # cyclic k=1, all_reached: step t trains blocks t..3 with their exact gradients (checked at every step)
     assert check.checked_selections == [(0, 1, 2, 3), (1, 2, 3), (2, 3), (3,)]
     final = check.lora(module)
     assert all(not torch.equal(a, b) for before, after in zip(initial, final) for a, b in zip(before, after))
@@ -202,7 +202,7 @@ class EMAFromMidFit(WeightAveraging):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.copy_at:
-            assert all(get_layer(m, LAYER_NAME) is not None for m in pl_module.model.get_base_model().model.layers)
+            assert all(get_wrapper(m, SELECTIVE_WRAPPER) is not None for m in pl_module.model.get_base_model().model.layers)
             self._average_model = AveragedModel(pl_module, use_buffers=self._use_buffers, **self._kwargs)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -212,8 +212,8 @@ class EMAFromMidFit(WeightAveraging):
             self._check(pl_module.model, self._average_model.module, batch)  # type: ignore[union-attr]
 
     def _check(self, original: nn.Module, averaged: Any, batch: Any) -> None:
-        assert all(get_layer(m, LAYER_NAME) is None for m in averaged.modules())  # LCSB's layer stayed behind
-        assert all(get_layer(m, LAYER_NAME) is not None for m in original.get_base_model().model.layers)
+        assert all(get_wrapper(m, SELECTIVE_WRAPPER) is None for m in averaged.modules())  # LCSB's wrapper stayed behind
+        assert all(get_wrapper(m, SELECTIVE_WRAPPER) is not None for m in original.get_base_model().model.layers)
         assert not all(torch.equal(p, q) for p, q in zip(averaged.model.parameters(), original.parameters()))
         self.twin.load_state_dict(averaged.state_dict())  # parameters and buffers (the EMA averages both)
         losses, grads = [], []

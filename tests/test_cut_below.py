@@ -114,7 +114,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 def _backward(model: nn.Module, selection: tuple[int, ...] | None) -> tuple[list[int], dict[str, torch.Tensor | None]]:
     mapped = map_trainable_params(model)
-    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "exact")
+    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "selected_only")
     if selection is not None:
         selective.set_selection(selection)
     counter = BackwardCounter(mapped.blocks)
@@ -168,7 +168,7 @@ def test_input_that_requires_grad_gets_no_gradient_below_the_selection() -> None
     model = _lora()
     embeds = model.get_input_embeddings()(torch.randint(0, 64, (2, 12))).detach().requires_grad_()
     mapped = map_trainable_params(model)
-    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "exact")
+    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "selected_only")
     selective.set_selection(SELECTION)
     model(inputs_embeds=embeds).logits.sum().backward()
     selective.remove()
@@ -180,7 +180,7 @@ def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not
     model = _trainable_embedding()
     embedding = model.get_input_embeddings().weight
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="exact", momentum=momentum)
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", momentum=momentum)
     try:
         assert controller.begin_step(0, [optimizer]) == (0, 1)  # reaches the embedding
         _loss(model).backward()
@@ -226,7 +226,7 @@ def test_reentrant_checkpoint_outside_the_block_warns_once_and_stays_exact() -> 
     full = _grads(model)
     model.zero_grad(set_to_none=True)
     mapped = map_trainable_params(model)
-    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "exact")
+    selective = SelectiveBackprop(mapped.blocks, mapped.params_per_block, "selected_only")
     selective.set_selection(SELECTION)
     with pytest.warns(UserWarning, match="cannot cut block") as record:
         model(tokens).sum().backward()

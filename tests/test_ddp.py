@@ -15,7 +15,7 @@ JOBS = {
     "cyclic": "cyclic:cyclic:12",
     "random": "random:random:12",
     "grad_norm": "grad_norm:grad_norm:12",
-    "cyclic_exact": "cyclic_exact:cyclic:12:exact",
+    "cyclic_exact": "cyclic_exact:cyclic:12:selected_only",
     "first_part": "first_part:cyclic:8:identity:8",  # stops at the end of epoch 1 with a checkpoint
     "resumed": "resumed:cyclic:12:identity:first_part",
 }

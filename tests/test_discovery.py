@@ -159,7 +159,7 @@ def test_exact_selection_of_top_blocks_gives_full_backprop_gradients(name: str) 
     selections = [(last,), (last - 1, last), (num_encoder + 1,), (num_encoder - 1,), (num_encoder - 1, last)]
     for selection in selections:
         model.zero_grad(set_to_none=True)
-        selective = SelectiveBackprop(mapped.blocks, params, "exact")
+        selective = SelectiveBackprop(mapped.blocks, params, "selected_only")
         selective.set_selection(selection)
         _loss(name, model, ids).backward()
         selective.remove()

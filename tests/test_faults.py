@@ -173,7 +173,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("policy=cyclic policy.fraction=1.5", r"policy.fraction=1.5: allowed: a number in \(0, 1\] or null"),
     ("policy=cyclic policy.layers_per_step=0", "policy.layers_per_step=0: allowed: an integer >= 1 or null"),
     ("policy.policy=lisa", "policy.policy='lisa': allowed: cyclic, dyadic, freeze, full, grad_norm, random"),
-    ("policy.backward=approx", "policy.backward='approx': allowed: identity, exact, truncated"),
+    ("policy.backward=approx", "policy.backward='approx': allowed: identity, selected_only, all_reached"),
     ("policy.momentum=adam", "policy.momentum='adam': allowed: implicit, skip, reset"),
     ("mebp=int4 mebp.fmt=q4_k", "mebp.fmt='q4_k': allowed: int4, nf4, fp4"),
     ("mebp=int4 mebp.weights=disk", "mebp.weights='disk': allowed: ram, mmap"),

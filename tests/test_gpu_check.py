@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.sh`` and :mod:`lcsb_lightning.bench.gpu_check`: arguments, the no-CUDA exit, the
+"""``benchmarks/gpu_check.sh`` and its package ``benchmarks/gpu_check/``: arguments, the no-CUDA exit, the
 report, and every arm's training step on the tiny shape on CPU (float32).
 
 The ``test_on_cuda_*`` tests are the CUDA tests ``benchmarks/gpu_check.sh`` runs first on a GPU machine
@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lcsb_lightning.bench import gpu_check
+from tests._benchmark_scripts import load_benchmark_package
+
+load_benchmark_package("gpu_check")
+from gpu_check import arms, cli, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -29,19 +32,19 @@ TINY = ["--shape", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "32"]
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("gpu_check") / "tiny"
-    gpu_check.save_random_init(gpu_check.model_config("tiny"), folder, torch.float32, torch.device("cpu"))
+    arms.save_random_init(arms.model_config("tiny"), folder, torch.float32, torch.device("cpu"))
     return folder
 
 
 # ------------------------------------------------------------------------------------------ arguments
 def test_defaults_are_the_issue_settings() -> None:
-    args = gpu_check.parse_args([])
-    assert (args.steps, args.warmup, args.arms, args.seq_len, args.shape) == (20, 3, gpu_check.ARMS, 256, "qwen2.5_0.5b")
-    assert (args.out, args.device, args.lcsb_backward, args.preflight) == (Path("gpu_check.json"), "cuda", "truncated", False)
+    args = cli.parse_args([])
+    assert (args.steps, args.warmup, args.arms, args.seq_len, args.shape) == (20, 3, arms.ARMS, 256, "qwen2.5_0.5b")
+    assert (args.out, args.device, args.lcsb_backward, args.preflight) == (Path("gpu_check.json"), "cuda", "all_reached", False)
 
 
 def test_arguments_are_parsed() -> None:
-    args = gpu_check.parse_args(["--steps", "4", "--warmup", "1", "--arms", "mebp, mebp_lcsb", "--out", "r/x.json",
+    args = cli.parse_args(["--steps", "4", "--warmup", "1", "--arms", "mebp, mebp_lcsb", "--out", "r/x.json",
                                  "--seq-len", "64", "--shape", "tiny", "--lcsb-backward", "identity", "--device", "cpu"])
     assert (args.steps, args.warmup, args.arms, args.out) == (4, 1, ("mebp", "mebp_lcsb"), Path("r/x.json"))
     assert (args.seq_len, args.shape, args.lcsb_backward, args.device) == (64, "tiny", "identity", "cpu")
@@ -55,7 +58,7 @@ def test_arguments_are_parsed() -> None:
 ])
 def test_bad_arguments_exit_2_naming_the_option(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        gpu_check.parse_args(argv)
+        cli.parse_args(argv)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
 
@@ -66,20 +69,20 @@ def test_no_cuda_returns_2_with_a_message(build: str | None, hint: str, tmp_path
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", build)
-    assert gpu_check.main([*TINY, "--out", str(tmp_path / "r.json")]) == gpu_check.NO_CUDA_EXIT == 2
+    assert cli.main([*TINY, "--out", str(tmp_path / "r.json")]) == cli.NO_CUDA_EXIT == 2
     err = capsys.readouterr().err
     assert "torch.cuda.is_available() is False" in err and hint in err
     assert not (tmp_path / "r.json").exists()
 
 
 def test_preflight_checks_without_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check.main(["--preflight", "--device", "cpu", "--out", str(tmp_path / "r.json")]) == 0
+    assert cli.main(["--preflight", "--device", "cpu", "--out", str(tmp_path / "r.json")]) == 0
     assert "preflight ok" in capsys.readouterr().out and not (tmp_path / "r.json").exists()
 
 
 @without_cuda
 def test_module_exits_2_without_cuda() -> None:
-    done = subprocess.run([sys.executable, "-m", "lcsb_lightning.bench.gpu_check", *TINY], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *TINY], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, check=False)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "torch.cuda.is_available()" in done.stderr
@@ -110,27 +113,27 @@ FIGURES = {"qlora": {"peak_mib": 3000.0, "step_s_mean": 0.3},
 
 
 def test_speedups_relative_to_qlora_and_mebp() -> None:
-    ratios = gpu_check.speedups({name: f["step_s_mean"] for name, f in FIGURES.items()})
+    ratios = report.speedups({name: f["step_s_mean"] for name, f in FIGURES.items()})
     assert ratios["mebp_lcsb"] == pytest.approx({"vs_qlora": 3.0, "vs_mebp": 2.0})
     assert ratios["qlora"] == pytest.approx({"vs_qlora": 1.0, "vs_mebp": 2 / 3})
-    assert gpu_check.speedups({"mebp_lcsb": 0.1}) == {"mebp_lcsb": {"vs_qlora": None, "vs_mebp": None}}
+    assert report.speedups({"mebp_lcsb": 0.1}) == {"mebp_lcsb": {"vs_qlora": None, "vs_mebp": None}}
 
 
 def test_table_and_json_from_fake_figures(tmp_path: Path) -> None:
-    result = gpu_check.build_result(META, FIGURES)
-    table = gpu_check.format_table(result)
+    result = report.build_result(META, FIGURES)
+    table = report.format_table(result)
     assert "GPU: NVIDIA H200 | torch 2.13.0+cu128 | CUDA 12.8 | 2026-01-02 03:04 UTC" in table
     assert "| arm | what | peak MiB | s/step | speed-up vs qlora | speed-up vs mebp |" in table
     assert "| qlora | peft + bnb nf4 + HF grad ckpt | 3000.0 | 0.3000 | 1.00x | 0.67x | all |" in table
     assert "| mebp_lcsb | mebp + LCSB cyclic k=N/4 | 990.5 | 0.1000 | 3.00x | 2.00x | 15.00 of 24 |" in table
-    assert all(f"* {key}:" in table for key in gpu_check.SOURCES)
+    assert all(f"* {key}:" in table for key in report.SOURCES)
     path = tmp_path / "sub" / "r.json"
-    gpu_check.write_json(result, path)
+    report.write_json(result, path)
     data = json.loads(path.read_text())
     assert data == result and data["arms"]["mebp"]["speedup_vs_qlora"] == pytest.approx(1.5)
-    cpu = gpu_check.build_result(META, {"mebp": {"peak_mib": None, "step_s_mean": 0.2}})
+    cpu = report.build_result(META, {"mebp": {"peak_mib": None, "step_s_mean": 0.2}})
     assert "| mebp | load_compressed nf4/64, full backprop, chunked loss | - | 0.2000 | - | 1.00x | all |" in (
-        gpu_check.format_table(cpu))
+        report.format_table(cpu))
 
 
 # ----------------------------------------------------------------------------------- the arms train
@@ -139,20 +142,20 @@ def _lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_arm_trains(name: str, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
-    arm = gpu_check.build_arm(name, folder, device, dtype)
+    arm = arms.build_arm(name, folder, device, dtype)
     try:
         ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
         before = _lora(arm.model)
-        first = gpu_check.train_step(arm, ids)
+        first = arms.train_step(arm, ids)
         assert math.isfinite(first.loss) and first.seconds > 0
         after = _lora(arm.model)
         lora_b = {n for n in before if "lora_B" in n}  # zero-initialised: moves only with a gradient
         assert len(lora_b) == 2 * 7 and all(not torch.equal(before[n], after[n]) for n in lora_b)
         assert all(p.dtype == torch.float32 for p in after.values())
-        # qlora: no compressed blocks; mebp: both blocks; mebp_lcsb's step 0: cyclic group (0,), truncated to (0, 1)
+        # qlora: no compressed blocks; mebp: both blocks; mebp_lcsb's step 0: cyclic group (0,), all_reached: (0, 1)
         assert first.backward_blocks == (None if name == "qlora" else (0, 1))
         if name == "mebp_lcsb":
-            second = gpu_check.train_step(arm, ids)
+            second = arms.train_step(arm, ids)
             assert arm.controller.selection == (1,)
             assert second.backward_blocks == (1,) and math.isfinite(second.loss)  # block 0: no backward at all
     finally:
@@ -160,16 +163,16 @@ def _check_arm_trains(name: str, folder: Path, device: torch.device, dtype: torc
             arm.controller.release()
 
 
-@pytest.mark.parametrize("name", gpu_check.ARMS)
+@pytest.mark.parametrize("name", arms.ARMS)
 def test_arm_trains_on_cpu(name: str, tiny_folder: Path) -> None:
     _check_arm_trains(name, tiny_folder, torch.device("cpu"), torch.float32)
 
 
 def test_main_on_cpu_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    assert gpu_check.main([*TINY, "--device", "cpu", "--out", str(out), "--model-dir", str(tmp_path / "init")]) == 0
+    assert cli.main([*TINY, "--device", "cpu", "--out", str(out), "--model-dir", str(tmp_path / "init")]) == 0
     data = json.loads(out.read_text())
-    assert list(data["arms"]) == list(gpu_check.ARMS) and data["meta"]["dtype"] == "float32"
+    assert list(data["arms"]) == list(arms.ARMS) and data["meta"]["dtype"] == "float32"
     for fig in data["arms"].values():
         assert fig["peak_mib"] is None and len(fig["step_s_all"]) == 2 and math.isfinite(fig["loss_last"])
     assert data["arms"]["mebp"]["backward_blocks_mean"] == 2.0
@@ -185,7 +188,7 @@ def test_main_on_cpu_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFix
 
 # ------------------------------------------------------------------------- on CUDA (gpu_check.sh runs these)
 @needs_cuda
-@pytest.mark.parametrize("name", gpu_check.ARMS)
+@pytest.mark.parametrize("name", arms.ARMS)
 def test_on_cuda_arm_trains_in_bf16(name: str, tiny_folder: Path) -> None:
     _check_arm_trains(name, tiny_folder, torch.device("cuda"), torch.bfloat16)
 
@@ -235,7 +238,7 @@ def test_on_cuda_compressed_linear_and_chunked_loss_match_the_dequantized_weight
 @needs_cuda
 def test_on_cuda_main_tiny_measures_memory(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    assert gpu_check.main([*TINY, "--out", str(out)]) == 0
+    assert cli.main([*TINY, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == torch.cuda.get_device_name() and data["meta"]["dtype"] == "bfloat16"
     for fig in data["arms"].values():

@@ -147,7 +147,7 @@ def test_a_skipped_step_changes_no_parameter_and_no_optimizer_state_in_either_or
     module = FaultyLM("nan", at_step=BAD_STEP)
     guard = DivergenceGuard(action=action, window=10, warmup=5)
     # one block of four trains; momentum="implicit" gives the other three a zero gradient
-    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="exact", log_every_n_steps=0)
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="selected_only", log_every_n_steps=0)
     witness = StepWitness()
     trainer = quiet_trainer(max_steps=BAD_STEP + 2, callbacks=[guard, lcsb, witness] if guard_first else [lcsb, guard, witness])
     with pytest.warns(UserWarning, match=f"DivergenceGuard: step {BAD_STEP}"):
@@ -162,7 +162,7 @@ def test_rollback_restores_exactly_with_the_guard_listed_first() -> None:
     module = FaultyLM("nan", at_step=BAD_STEP)
     guard = DivergenceGuard(action="rollback", window=10, warmup=5, snapshot_every=4)
     snapshots = Snapshots()
-    trainer = quiet_trainer(max_steps=BAD_STEP + 2, callbacks=[guard, LCSBCallback("cyclic", layers_per_step=1, backward="exact",
+    trainer = quiet_trainer(max_steps=BAD_STEP + 2, callbacks=[guard, LCSBCallback("cyclic", layers_per_step=1, backward="selected_only",
                                                                                       log_every_n_steps=0), snapshots])
     with pytest.warns(UserWarning, match=f"DivergenceGuard: step {BAD_STEP}"):
         trainer.fit(module, token_batches(num_batches=20, seq=12, vocab=64))

@@ -93,13 +93,13 @@ def test_identity_path_matches_surrogate(kind: str, selection: tuple[int, ...]) 
 
 @pytest.mark.parametrize("selection", SELECTIONS, ids=str)
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_exact_mode_gives_full_backprop_grads(kind: str, selection: tuple[int, ...]) -> None:
+def test_selected_only_mode_gives_full_backprop_grads(kind: str, selection: tuple[int, ...]) -> None:
     tokens = torch.randint(0, 16, (2, 10), generator=torch.Generator().manual_seed(2))
     model = MODELS[kind]()
     _loss(model, tokens).backward()
     full = _grads(model)
     model.zero_grad(set_to_none=True)
-    selective = _selective(model, backward="exact")
+    selective = _selective(model, backward="selected_only")
     selective.set_selection(selection)
     _loss(model, tokens).backward()
     selective.remove()
@@ -112,7 +112,7 @@ def test_exact_mode_gives_full_backprop_grads(kind: str, selection: tuple[int, .
                 assert _is_zero(got[name]), f"{name} of block {i} below the selection: {got[name]}"
 
 
-@pytest.mark.parametrize("backward", ["identity", "exact"])
+@pytest.mark.parametrize("backward", ["identity", "selected_only"])
 def test_cut_blocks_save_nothing_and_the_lowest_selected_computes_no_input_grad(backward: str) -> None:
     torch.manual_seed(0)
     model = ResidualNet(num_blocks=4)
@@ -171,9 +171,9 @@ def test_identity_path_errors() -> None:
     selective.set_selection([])
     with pytest.raises(ValueError, match="needs a residual block"):
         selective.blocks[0](torch.randn(2, 4, requires_grad=True))
-    with pytest.raises(RuntimeError, match="Linear already has the forward layer 'lcsb_selective' installed"):
+    with pytest.raises(RuntimeError, match="Linear already has the forward wrapper 'lcsb_selective' installed"):
         SelectiveBackprop(selective.blocks)
-    with pytest.raises(ValueError, match=r"`backward='approx'` is not supported; allowed: identity, exact\.$"):
+    with pytest.raises(ValueError, match=r"`backward='approx'` is not supported; allowed: identity, selected_only\.$"):
         SelectiveBackprop(selective.blocks, backward="approx")
 
 
@@ -223,10 +223,11 @@ def _controller_grads(model: nn.Module, backward: str, step: int, ids: torch.Ten
 
 
 @pytest.mark.parametrize("step", [1, 2], ids=lambda s: f"selects_block_{s}")
-def test_exact_trains_only_the_selected_block_and_truncated_every_block_above_it(step: int) -> None:
+def test_selected_only_trains_only_the_selected_block_and_all_reached_every_block_above_it(step: int) -> None:
     """Cyclic k=1 at step 1 or 2 selects a middle block: not a top range, so the two backward modes
-    differ. The backward runs the same from the top down to the selected block in both; ``exact`` keeps
-    the selected block's gradient only, ``truncated`` also the exact gradients of the blocks above."""
+    differ. The backward runs the same from the top down to the selected block in both;
+    ``selected_only`` keeps the selected block's gradient only, ``all_reached`` also the exact gradients
+    of the blocks above."""
     import copy
 
     base = tiny_llama_peft(num_layers=4)
@@ -234,37 +235,38 @@ def test_exact_trains_only_the_selected_block_and_truncated_every_block_above_it
     reference = copy.deepcopy(base)  # full backprop, LCSB never installed
     reference(input_ids=ids, labels=ids).loss.backward()
     full = [[p.grad for p in params] for params in map_trainable_params(reference).params_per_block]
-    exact_sel, exact = _controller_grads(copy.deepcopy(base), "exact", step, ids)
-    trunc_sel, trunc = _controller_grads(copy.deepcopy(base), "truncated", step, ids)
+    exact_sel, exact = _controller_grads(copy.deepcopy(base), "selected_only", step, ids)
+    trunc_sel, trunc = _controller_grads(copy.deepcopy(base), "all_reached", step, ids)
     assert exact_sel == (step,) and trunc_sel == tuple(range(step, 4))
     # the selected block: the same computation in both modes, bit for bit, and the exact gradient
     assert all(torch.equal(a, b) for a, b in zip(exact[step], trunc[step]))
     for got, want in zip(exact[step], full[step]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-    for block in range(step + 1, 4):  # above it: exact drops the gradients, truncated keeps them (exact)
-        assert all(not g.any() for g in exact[block]), f"exact trained block {block} above its selection"
-        assert all(g.any() for g in trunc[block]), f"truncated left block {block} untrained"
+    for block in range(step + 1, 4):  # above it: selected_only drops the gradients, all_reached keeps them (exact)
+        assert all(not g.any() for g in exact[block]), f"selected_only trained block {block} above its selection"
+        assert all(g.any() for g in trunc[block]), f"all_reached left block {block} untrained"
         for got, want in zip(trunc[block], full[block]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     for block in range(step):  # below it: cut in both, zero gradients
         assert all(not g.any() for g in exact[block]) and all(not g.any() for g in trunc[block])
 
 
-def test_dyadic_selections_are_top_ranges_that_truncation_leaves_unchanged() -> None:
-    """Why the benchmark's dyadic arms (recorded with ``backward: exact``) are the default's
-    (``truncated``): each dyadic selection is already the top range that truncation would make of it."""
+def test_dyadic_selections_are_top_ranges_that_all_reached_leaves_unchanged() -> None:
+    """Why the benchmark's dyadic arms (recorded with ``backward: exact``, now ``selected_only``) are the
+    default's (``all_reached``): each dyadic selection is already the top range that ``all_reached``
+    would make of it."""
     from lcsb_lightning.controller import LCSBController
     from lcsb_lightning.policies import DyadicPolicy
 
     model = tiny_llama_peft(num_layers=8)
     selections = {}
-    for mode in ("exact", "truncated"):
+    for mode in ("selected_only", "all_reached"):
         controller = LCSBController(model, DyadicPolicy(levels=3), backward=mode)
         selections[mode] = [controller.begin_step(step, []) for step in range(8)]
         controller.release()
-    assert selections["exact"] == selections["truncated"]
-    assert [len(s) for s in selections["exact"]] == [8, 2, 4, 2, 8, 2, 4, 2]
-    assert all(s == tuple(range(8 - len(s), 8)) for s in selections["exact"])
+    assert selections["selected_only"] == selections["all_reached"]
+    assert [len(s) for s in selections["selected_only"]] == [8, 2, 4, 2, 8, 2, 4, 2]
+    assert all(s == tuple(range(8 - len(s), 8)) for s in selections["selected_only"])
 
 
 def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatment() -> None:
@@ -272,7 +274,7 @@ def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatmen
     from lcsb_lightning.policies import CyclicPolicy
 
     model = tiny_llama_peft()
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward="exact", momentum="skip")
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward="selected_only", momentum="skip")
     blocks = controller.block_params.params_per_block
     optimizer = torch.optim.AdamW(list(blocks[0]), lr=1e-3)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))

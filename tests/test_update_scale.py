@@ -103,4 +103,4 @@ def test_the_callback_scales_updates_in_a_fit() -> None:
     quiet_trainer(max_steps=8, callbacks=[callback]).fit(module, token_batches(num_batches=8))
     assert callback.controller is not None
     assert callback.controller.update_multipliers()[0] == pytest.approx(math.sqrt(8))  # trained at step 0 only
-    validate_modes("truncated", "implicit", "sqrt_period")
+    validate_modes("all_reached", "implicit", "sqrt_period")

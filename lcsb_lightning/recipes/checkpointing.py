@@ -41,6 +41,14 @@ _YIELDED = "_num_yielded"  # the batches a single-process StatefulDataLoader ite
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes to a temporary file in the destination folder, then renames it.
 
+    Lightning's own write (``cloud_io._atomic_save``, an fsspec transaction) is atomic only when the
+    system temp folder shares the checkpoint's filesystem: on a local disk fsspec writes to
+    ``tempfile.mkstemp()`` and commits with ``shutil.move``, which between filesystems (a tmpfs
+    ``/tmp``, a mounted volume) copies into the destination, so a full disk or a crash mid-copy leaves
+    a truncated file where the previous checkpoint was; and nothing is fsynced. This subclass keeps the
+    temporary file beside the destination (``os.replace`` is then atomic), fsyncs it before the rename,
+    and names the destination when the write fails. Loading and removal are Lightning's.
+
     Raises:
         OSError: the write failed (for example ``ENOSPC``); the message names the destination, the
             temporary file is removed and any previous checkpoint at that path is untouched.

@@ -11,6 +11,7 @@ from lcsb_lightning.guard import ACTIONS
 from lcsb_lightning.mebp.config import WEIGHT_STORAGE
 from lcsb_lightning.mebp import FORMATS
 from lcsb_lightning.policies import available_policies
+from lcsb_lightning.selective import DEPRECATED_BACKWARD_MODES
 
 #: Context length of the model options whose config is known without loading anything.
 KNOWN_CONTEXT = {"lcsb_lightning.recipes.models.smollm2_135m": 8192}
@@ -50,7 +51,7 @@ def _problems(cfg: DictConfig) -> list[str]:
              f"policy.fraction={fraction!r}: allowed: a number in (0, 1] or null")
         k = policy.get("layers_per_step", node.get("layers_per_step") if node else None)
         need(k is None or _int_at_least(k, 1), f"policy.layers_per_step={k!r}: allowed: an integer >= 1 or null")
-        need(policy.get("backward") in BACKWARD_MODES,
+        need(policy.get("backward") in (*BACKWARD_MODES, *DEPRECATED_BACKWARD_MODES),
              f"policy.backward={policy.get('backward')!r}: allowed: {', '.join(BACKWARD_MODES)}")
         need(policy.get("momentum") in MOMENTUM_MODES,
              f"policy.momentum={policy.get('momentum')!r}: allowed: {', '.join(MOMENTUM_MODES)}")

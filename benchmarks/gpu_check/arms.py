@@ -1,37 +1,24 @@
-"""GPU check of the MeBP path: peak CUDA memory and step time of ``qlora``, ``mebp`` and ``mebp_lcsb``.
+"""The arms of the GPU check and their training step: ``qlora``, ``mebp``, ``mebp_lcsb`` (see the package docstring).
 
-``benchmarks/gpu_check.sh`` runs the CUDA tests, then ``python -m lcsb_lightning.bench.gpu_check``.
-Every arm trains LoRA (r8, all seven projections) on one seeded random init saved as a safetensors
-folder, batch 1, AdamW, in the same plain torch loop. ``qlora``: ``from_pretrained`` + bitsandbytes
-nf4 + HF's non-reentrant gradient checkpointing, HF's loss. ``mebp``: ``load_compressed(fmt="nf4",
-group_size=64)`` (``QuantizedMeBP.convert_module`` leaves it as it is) with its per-block
-checkpointing, ``chunked_lm_loss``, full backprop. ``mebp_lcsb``: the same + the controller
-``LCSBCallback("cyclic", fraction=0.25)`` builds, called as the callback calls it.
-
-Why no Trainer: ``QuantizedMeBP`` is itself a ``Precision`` plugin fixed at ``"32-true"``, so
-``Trainer(precision="bf16-true", plugins=[QuantizedMeBP()])`` is refused (a precision flag and a
-precision plugin), and Trainers cannot alternate arms step by step. The arms are built and warmed up
-one after another, then their measured steps alternate round-robin (the order rotating per round);
-where each figure comes from is in :data:`SOURCES`, printed under the table and written to the JSON.
+:func:`run` builds and warms up the arms one after another, then alternates their measured steps
+round-robin (the order rotating per round).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from .report import build_result, environment, to_mib
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -40,68 +27,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                      "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True},
 }
 ARMS: tuple[str, ...] = ("qlora", "mebp", "mebp_lcsb")
-WHAT = {"qlora": "peft + bnb nf4 + HF grad ckpt", "mebp": "load_compressed nf4/64, full backprop, chunked loss",
-        "mebp_lcsb": "mebp + LCSB cyclic k=N/4"}
-SOURCES = {
-    "peak_mib": "resident_mib + the arm's largest step transient in the round robin (reset_peak_memory_stats before "
-                "each measured step, then max_memory_allocated minus memory_allocated at its start)",
-    "resident_mib": "memory_allocated after the arm's build and warm-up minus before its build (weights, LoRA, AdamW)",
-    "warmup_peak_mib": "the largest max_memory_allocated of the arm's warm-up steps (reset at each step's start, no "
-                       "other arm stepping) minus memory_allocated before its build; load_peak_mib: the same for its build",
-    "step_s_mean": "mean wall time of the measured round-robin steps, torch.cuda.synchronize before and after",
-    "mebp": "one instrumented step per MeBP arm after the timed ones (its timers synchronize around every "
-            "decompression, so it is not timed)",
-}
-NO_CUDA_EXIT = 2
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
-    return parse
-
-
-def parse_arms(text: str) -> tuple[str, ...]:
-    """``"qlora,mebp"`` -> ``("qlora", "mebp")``; unknown, repeated or no arms raise ``ArgumentTypeError``."""
-    arms = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
-        raise argparse.ArgumentTypeError(f"expected distinct arms out of {','.join(ARMS)}, got {text!r}")
-    return arms
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv``; a bad argument exits with code 2 and argparse's message."""
-    from lcsb_lightning.controller import BACKWARD_MODES
-
-    p = argparse.ArgumentParser(prog="gpu_check", description="Peak CUDA memory and step time: qlora vs MeBP vs MeBP+LCSB.")
-    p.add_argument("--steps", type=_at_least(1), default=20,
-                   help="measured steps per arm (default 20; a multiple of 4 covers whole LCSB cycles, k = N/4)")
-    p.add_argument("--warmup", type=_at_least(1), default=3, help="warm-up steps per arm (default 3)")
-    p.add_argument("--arms", type=parse_arms, default=ARMS, help="comma-separated arms (default: all three)")
-    p.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON output path")
-    p.add_argument("--seq-len", type=_at_least(2), default=256, help="tokens per sequence, batch 1 (default 256)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5_0.5b", help="model shape (default qwen2.5_0.5b)")
-    p.add_argument("--lcsb-backward", choices=BACKWARD_MODES, default="truncated",
-                   help="LCSBCallback's backward for mebp_lcsb (default: the callback's, truncated)")
-    p.add_argument("--model-dir", type=Path, default=None, help="keep the random init here (reused if it has a config.json)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preflight", action="store_true", help="only check the arguments and CUDA, then exit")
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": float32 test runs of the arm code
-    return p.parse_args(argv)
-
-
-def cuda_problem(device: str) -> str | None:
-    """Why ``device`` cannot run the check, or ``None`` (always ``None`` for a non-CUDA device)."""
-    if not device.startswith("cuda") or torch.cuda.is_available():
-        return None
-    why = ("this torch is a CPU-only build (torch.version.cuda is None): install a CUDA build of torch"
-           if torch.version.cuda is None else
-           f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no device: check nvidia-smi, "
-           "the driver and CUDA_VISIBLE_DEVICES")
-    return f"gpu_check needs a CUDA device, but torch.cuda.is_available() is False; {why}."
 
 
 def _sync(device: torch.device) -> None:
@@ -168,7 +93,7 @@ class StepRecord:
 
 
 def build_arm(name: str, folder: Path, device: torch.device, dtype: torch.dtype, rank: int = 8, lr: float = 1e-4,
-              fraction: float = 0.25, backward: str = "truncated") -> Arm:
+              fraction: float = 0.25, backward: str = "all_reached") -> Arm:
     """Build one arm (see the module docstring) from the random-init ``folder``.
 
     Args:
@@ -277,29 +202,13 @@ def train_step(arm: Arm, ids: torch.Tensor, instrument: bool = False) -> StepRec
     return StepRecord(float(loss.detach()), seconds, start_bytes, _peak(arm.device) - start_bytes, blocks, mebp)
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """GPU name, library versions and the date of this run."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    return {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"none ({device.type})",
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            **{name: installed(name) for name in ("transformers", "peft", "bitsandbytes", "lightning")},
-            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
-
-
 def _summary(fig: dict[str, Any], arm: Arm, recs: list[StepRecord]) -> None:
     """Fold the arm's measured steps into its figures."""
     times = [r.seconds for r in recs]
     fig.update(step_s_mean=statistics.fmean(times), step_s_median=statistics.median(times),
                step_s_all=[round(t, 5) for t in times], loss_last=recs[-1].loss)
     resident = fig.pop("resident_bytes")
-    fig.update(resident_mib=_to_mib(resident), peak_mib=_to_mib(resident + max(r.transient_bytes for r in recs)))
+    fig.update(resident_mib=to_mib(resident), peak_mib=to_mib(resident + max(r.transient_bytes for r in recs)))
     if arm.blocks:
         fig.update(num_blocks=len(arm.blocks),
                    backward_blocks_mean=statistics.fmean(len(r.backward_blocks or ()) for r in recs))
@@ -331,10 +240,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 start = time.perf_counter()
                 arm = arms[name] = build_arm(name, folder, device, dtype, backward=args.lcsb_backward)
                 fig = figures[name] = {"load_s": round(time.perf_counter() - start, 2),
-                                       "load_peak_mib": _to_mib(_peak(device) - base)}
+                                       "load_peak_mib": to_mib(_peak(device) - base)}
                 warmup = [train_step(arm, batches[i]) for i in range(args.warmup)]
                 fig["loss_first"] = warmup[0].loss
-                fig["warmup_peak_mib"] = _to_mib(max(r.start_bytes + r.transient_bytes for r in warmup) - base)
+                fig["warmup_peak_mib"] = to_mib(max(r.start_bytes + r.transient_bytes for r in warmup) - base)
                 fig["resident_bytes"] = _allocated(device) - base
             records: dict[str, list[StepRecord]] = {name: [] for name in arms}
             names = list(arms)
@@ -357,80 +266,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lora": "r8, alpha 16, all-linear", "optimizer": "AdamW lr 1e-4", "steps": args.steps,
             "warmup": args.warmup, "lcsb": {"policy": "cyclic", "fraction": 0.25, "backward": args.lcsb_backward}}
     return build_result(meta, figures)
-
-
-def speedups(step_s: dict[str, float]) -> dict[str, dict[str, float | None]]:
-    """``{arm: {"vs_qlora": t_qlora / t_arm, "vs_mebp": t_mebp / t_arm}}`` (``None`` without the reference).
-
-    Example::
-
-        >>> speedups({"mebp": 2.0, "mebp_lcsb": 1.0})["mebp_lcsb"]
-        {'vs_qlora': None, 'vs_mebp': 2.0}
-    """
-    return {arm: {f"vs_{ref}": (step_s[ref] / s if ref in step_s and s > 0 else None) for ref in ("qlora", "mebp")}
-            for arm, s in step_s.items()}
-
-
-def build_result(meta: dict[str, Any], figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The JSON document: ``meta``, per-arm figures with their speed-ups, and where the figures come from."""
-    ratios = speedups({arm: fig["step_s_mean"] for arm, fig in figures.items()})
-    arms = {arm: {**fig, "speedup_vs_qlora": ratios[arm]["vs_qlora"], "speedup_vs_mebp": ratios[arm]["vs_mebp"]}
-            for arm, fig in figures.items()}
-    return {"meta": meta, "arms": arms, "sources": SOURCES}
-
-
-def _num(value: float | None, fmt: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{fmt}}{suffix}"
-
-
-def _to_mib(n: int) -> float:
-    return round(n / 2**20, 1)
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The markdown report: GPU, versions and date, the table side by side, where the figures come from."""
-    m = result["meta"]
-    title = (f"## GPU check: {m['shape']}, {m['dtype']}, seq {m['seq_len']}, batch {m['batch']}, LoRA {m['lora']}, "
-             f"{m['optimizer']}, {m['warmup']} warm-up + {m['steps']} measured steps per arm")
-    lines = [title, "",
-             f"GPU: {m['gpu']} | torch {m['torch']} | CUDA {m['cuda']} | {m['date']}", "",
-             "| arm | what | peak MiB | s/step | speed-up vs qlora | speed-up vs mebp | blocks back-propagated/step |",
-             "|---|---|---|---|---|---|---|"]
-    for arm, f in result["arms"].items():
-        depth = f"{f['backward_blocks_mean']:.2f} of {f['num_blocks']}" if "num_blocks" in f else "all"
-        lines.append(f"| {arm} | {WHAT.get(arm, arm)} | {_num(f['peak_mib'], '.1f')} | {_num(f['step_s_mean'], '.4f')} "
-                     f"| {_num(f['speedup_vs_qlora'], '.2f', 'x')} | {_num(f['speedup_vs_mebp'], '.2f', 'x')} | {depth} |")
-    lines += ["", "Where the figures come from:", *(f"* {key}: {text}" for key, text in result["sources"].items())]
-    return "\n".join(lines)
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    """Write ``result`` to ``path`` (parent folders created)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the check, print the table and write the JSON.
-
-    Returns:
-        0, or :data:`NO_CUDA_EXIT` (2, the reason on stderr) when there is no CUDA device.
-    """
-    args = parse_args(argv)
-    problem = cuda_problem(args.device)
-    if problem is not None:
-        print(problem, file=sys.stderr)
-        return NO_CUDA_EXIT
-    if args.preflight:
-        where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-        print(f"gpu_check: preflight ok ({where}, torch {torch.__version__}, CUDA {torch.version.cuda})")
-        return 0
-    result = run(args)
-    print(format_table(result))
-    write_json(result, args.out)
-    print(f"\nJSON: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
