@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lcsb_lightning.forward_wrap import get_layer, install_layer
+from lcsb_lightning.forward_wrap import get_wrapper, install_wrapper
 from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.selective import cuts
@@ -119,7 +119,7 @@ def install_block_wrappers(
         >>> install_block_wrappers(blocks, checkpoint_blocks=True)
     """
     for block in blocks:
-        if get_layer(block, CHECKPOINT_WRAPPER) is not None:
+        if get_wrapper(block, CHECKPOINT_WRAPPER) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block checkpoint wrapper installed.")
     for block in blocks:
-        install_layer(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
+        install_wrapper(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
