@@ -106,7 +106,16 @@ class TrainerConfig:
 
 def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
     """Build the library object ``node`` configures (cheap: no model, no file) so that its own
-    constructor checks the values; its error names ``key``. None where ``node`` has no ``_target_``."""
+    constructor checks the values.
+
+    Args:
+        key: The node's place in the config, named in the error.
+        node: The node (a plain mapping, as ``OmegaConf.to_object`` leaves an ``Any`` field).
+        kwargs: More arguments of the object (the ``lcsb`` callback's policy).
+
+    Returns:
+        The object, or None where ``node`` has no ``_target_`` (an option such as ``guard=none``).
+    """
     if not isinstance(node, Mapping) or "_target_" not in node:
         return None
     try:
@@ -117,7 +126,11 @@ def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
 
 
 def check_mebp(node: Any) -> None:
-    """Check the ``mebp`` node with QuantizedMeBP's own argument check (nothing with ``mebp=none``)."""
+    """Check the ``mebp`` node with QuantizedMeBP's own argument check (nothing with ``mebp=none``).
+
+    The one place the recipe checks QuantizedMeBP's options: an options dataclass of
+    ``lcsb_lightning.mebp`` can take over here.
+    """
     if not isinstance(node, Mapping) or "_target_" not in node:
         return
     from lcsb_lightning.mebp.convert import validate_args
