@@ -25,6 +25,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lcsb_lightning.policies import SelectionPolicy
+
 #: The schema's name in Hydra's ``ConfigStore`` (the first entry of ``conf/config.yaml``'s defaults).
 SCHEMA_NAME = "finetune_schema"
 #: Context length of the model options whose config is known without loading anything.
@@ -180,6 +182,12 @@ class FinetuneConfig:
             problems.append(f"seq_len={self.seq_len} is above the model's context of {context}: allowed: 2..{context}")
         _fail(problems)
         policy = _build_check("policy", self.policy)
+        if policy is not None and not isinstance(policy, SelectionPolicy):
+            raise ValueError(
+                f"invalid configuration: policy: {self.policy['_target_']} is not a SelectionPolicy; allowed: a "
+                "lcsb_lightning.policies class (a policy option of conf/policy), with LCSBCallback's options in the "
+                "lcsb node (lcsb.backward=...)"
+            )
         if policy is not None:
             _build_check("lcsb", self.lcsb, policy=policy)
         _build_check("guard", self.guard)
