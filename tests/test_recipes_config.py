@@ -190,7 +190,8 @@ def test_smollm2_option_composes() -> None:
     assert compose_cfg(["model=smollm2_135m"]).model.dtype == "float32"  # instantiation: tests/test_recipes_models.py (slow)
 
 
-@pytest.mark.parametrize("override", ["seq_len=abc", "batch_size=2.5", "trainer.max_steps=1.5", "module.lr=fast"])
+@pytest.mark.parametrize("override", ["seq_len=abc", "batch_size=2.5", "trainer.max_steps=1.5", "module.lr=fast",
+                                      "lcsb.probe_every=often"])
 def test_a_value_of_the_wrong_type_fails_at_composition(override: str) -> None:
     """The schema (lcsb_lightning/recipes/config.py) types the recipe's own values: Hydra refuses them while composing."""
     with pytest.raises(ConfigCompositionException, match=f"Error merging override {override}") as err:

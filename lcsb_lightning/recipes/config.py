@@ -106,6 +106,20 @@ class TrainerConfig:
         _fail(problems)
 
 
+@dataclass
+class LCSBConfig:
+    """``lcsb``: the options of :class:`~lcsb_lightning.LCSBCallback`, the same for every policy (the
+    policy is the ``policy`` node). Typed here; their values are checked by the callback itself."""
+
+    _target_: str = MISSING
+    backward: str = MISSING
+    momentum: str = MISSING
+    blocks: Any = MISSING
+    log_every_n_steps: int = MISSING
+    probe_every: int = MISSING
+    update_scale: str = MISSING
+
+
 def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
     """Build the library object ``node`` configures (cheap: no model, no file) so that its own
     constructor checks the values.
@@ -158,8 +172,7 @@ class FinetuneConfig:
     resume: Optional[str] = None
     module: ModuleConfig = field(default_factory=lambda: OmegaConf.structured(ModuleConfig))
     trainer: TrainerConfig = field(default_factory=lambda: _open(TrainerConfig))
-    # The options of lcsb_lightning.LCSBCallback, the same for every policy (``lcsb.backward=...``).
-    lcsb: Any = None
+    lcsb: Optional[LCSBConfig] = None
     # The group options: nodes of `_target_` objects, each checked by what it builds.
     policy: Any = None
     model: Any = None
@@ -189,7 +202,7 @@ class FinetuneConfig:
                 "lcsb node (lcsb.backward=...)"
             )
         if policy is not None:
-            _build_check("lcsb", self.lcsb, policy=policy)
+            _build_check("lcsb", vars(self.lcsb) if self.lcsb is not None else None, policy=policy)
         _build_check("guard", self.guard)
         check_mebp(self.mebp)
 
