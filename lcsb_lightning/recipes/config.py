@@ -25,6 +25,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+# Imported here, before peft: importing lcsb_lightning.mebp installs the filter of bitsandbytes' CPU-kernel notice.
+from lcsb_lightning.mebp.convert import validate_args
 from lcsb_lightning.policies import SelectionPolicy
 
 #: The schema's name in Hydra's ``ConfigStore`` (the first entry of ``conf/config.yaml``'s defaults).
@@ -149,8 +151,6 @@ def check_mebp(node: Any) -> None:
     """
     if not isinstance(node, Mapping) or "_target_" not in node:
         return
-    from lcsb_lightning.mebp.convert import validate_args
-
     args = {k: v for k, v in node.items() if k in inspect.signature(validate_args).parameters}
     try:
         validate_args(**args)
