@@ -50,7 +50,7 @@ FAST = [
     "trainer.val_check_interval=2",
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
-    "policy.log_every_n_steps=2",
+    "lcsb.log_every_n_steps=2",
 ]
 
 TEXT = (

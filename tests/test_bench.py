@@ -258,7 +258,8 @@ def test_a_wallclock_arm_needs_the_recipe_speed_study(tmp_path: Path, monkeypatc
     bench = {"name": "q", "studies": ["quality"], "quality": {**QUALITY, "tasks": ["t1"], "task_overrides": {}}}
 
     def compose_stub(overrides: Any) -> Any:
-        return OmegaConf.create({"policy": {"_target_": "x", "policy": "cyclic", "probe_every": 0}, "o": list(overrides)})
+        return OmegaConf.create({"policy": {"_target_": "lcsb_lightning.policies.CyclicPolicy"}, "lcsb": {"probe_every": 0},
+                                 "o": list(overrides)})
 
     with pytest.raises(RuntimeError, match="needs the speed-up of 'lcsb' on 't1' from the recipe_speed study"):
         run_benchmark(bench, tmp_path, compose_stub, command="t")

@@ -16,6 +16,7 @@ MODULES = [
     "lcsb_lightning.policies.stochastic",
     "lcsb_lightning.bench.spec",
     "lcsb_lightning.forward_wrap",
+    "lcsb_lightning.recipes.config",
 ]
 
 

@@ -40,7 +40,7 @@ def test_full_disk_while_writing_a_checkpoint(tmp_path: Path, monkeypatch: pytes
 
 
 def test_full_disk_while_writing_an_offload_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lcsb_lightning.mebp._internal.offload import MmapOffload
+    from lcsb_lightning.mebp.offload import MmapOffload
 
     class FullDisk:
         def tofile(self, handle: Any) -> None:
@@ -164,20 +164,35 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("trainer.max_steps=0", "trainer.max_steps=0: allowed: an integer >= 1"),
     ("trainer.max_steps=-5", "trainer.max_steps=-5: allowed: an integer >= 1"),
     ("trainer.val_check_interval=0", "trainer.val_check_interval=0: allowed: a number > 0 or null"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: allowed: an integer >= 1"),
+    ("+trainer.max_step=5", "trainer.max_step: allowed: an argument of lightning.Trainer"),
     ("seq_len=1", "seq_len=1: allowed: an integer >= 2"),
     ("seq_len=100000", "seq_len=100000 is above the model's context of 512: allowed: 2..512"),
     ("batch_size=0", "batch_size=0: allowed: an integer >= 1"),
+    ("eval_batch_size=0", "eval_batch_size=0: allowed: an integer >= 1"),
     ("checkpoint_every=0", "checkpoint_every=0: allowed: an integer >= 1"),
-    ("module.lr=0", "module.lr=0: allowed: a number > 0"),
-    ("policy=cyclic policy.fraction=0", r"policy.fraction=0: allowed: a number in \(0, 1\] or null"),
-    ("policy=cyclic policy.fraction=1.5", r"policy.fraction=1.5: allowed: a number in \(0, 1\] or null"),
-    ("policy=cyclic policy.layers_per_step=0", "policy.layers_per_step=0: allowed: an integer >= 1 or null"),
-    ("policy.policy=lisa", "policy.policy='lisa': allowed: cyclic, dyadic, freeze, full, grad_norm, random"),
-    ("policy.backward=approx", "policy.backward='approx': allowed: identity, selected_only, all_reached"),
-    ("policy.momentum=adam", "policy.momentum='adam': allowed: implicit, skip, reset"),
-    ("mebp=int4 mebp.fmt=q4_k", "mebp.fmt='q4_k': allowed: int4, nf4, fp4"),
-    ("mebp=int4 mebp.weights=disk", "mebp.weights='disk': allowed: ram, mmap"),
-    ("guard.action=retry", "guard.action='retry': allowed: skip, rollback, stop"),
+    ("module.lr=0", "module.lr=0.0: allowed: a number > 0"),
+    ("module.weight_decay=-1", "module.weight_decay=-1.0: allowed: a number >= 0"),
+    ("module.warmup_steps=-1", "module.warmup_steps=-1: allowed: an integer >= 0"),
+    ("module.schedule=step", "module.schedule='step': allowed: cosine_with_min_lr, cosine, linear, constant_with_warmup, constant"),
+    ("module.min_lr_ratio=2", r"module.min_lr_ratio=2.0: allowed: a number in \[0, 1\]"),
+    ("module.chunk_size=0", "module.chunk_size=0: allowed: an integer >= 1"),
+    ("policy=cyclic policy.fraction=0", r"policy: `fraction` must be in \(0, 1\], got 0"),
+    ("policy=paper policy.fraction=1.5", r"policy: `fraction` must be in \(0, 1\], got 1.5"),
+    ("policy=random policy.fraction=null policy.layers_per_step=0", "policy: `layers_per_step` must be an integer >= 1, got 0"),
+    ("policy=dyadic policy.levels=0", "policy: `levels` must be an integer >= 1, got 0"),
+    ("policy=grad_norm policy.ema_decay=1.5", "policy: `ema_decay`"),
+    ("lcsb.backward=approx", "lcsb: `backward='approx'` is not supported; allowed: identity, selected_only, all_reached"),
+    ("lcsb.momentum=adam", "lcsb: `momentum='adam'` is not supported; allowed: implicit, skip, reset"),
+    ("lcsb.update_scale=sqrt", "lcsb: `update_scale='sqrt'` is not supported; allowed: none, sqrt_period"),
+    ("lcsb.probe_every=-1", "lcsb: `probe_every` must be an integer >= 0, got -1"),
+    ("mebp=int4 mebp.fmt=q4_k", "mebp: `fmt='q4_k'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
+    ("mebp=int4 mebp.weights=disk", "mebp: `weights='disk'` is not supported; choose one of 'ram', 'mmap'"),
+    ("guard.action=retry", "guard: `action='retry'` is not supported; allowed: skip, rollback, stop"),
+    ("guard=stop guard.spike_factor=0.5", "guard: `spike_factor` must be > 1, got 0.5"),
+    # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)
+    ("policy=full policy._target_=lcsb_lightning.callback.LCSBCallback", "policy: lcsb_lightning.callback.LCSBCallback is not a "
+     "SelectionPolicy; allowed: a lcsb_lightning.policies class"),
 ])
 def test_bad_configuration_values_fail_before_anything_runs(tmp_path: Path, override: str, message: str) -> None:
     out = tmp_path / "run"

@@ -32,10 +32,10 @@ def test_core_and_recipe_building_without_4bit_do_not_import_bitsandbytes(tmp_pa
         assert "bitsandbytes" not in sys.modules, "import lcsb_lightning"
         from _recipes_utils import FAST, compose_cfg
         from lcsb_lightning.recipes import cli, train
-        from lcsb_lightning.recipes.validation import validate_config
+        from lcsb_lightning.recipes.config import check_config
         for mebp in ("none", "nf4"):
             cfg = compose_cfg([*FAST, f"mebp={{mebp}}", "task=pydoc"])
-            validate_config(cfg)
+            check_config(cfg)
             if mebp == "none":
                 train.build(cfg.model)
             train.build_trainer(cfg, {str(tmp_path)!r} + "/" + mebp)

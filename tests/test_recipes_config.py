@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.errors import MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from lightning import Trainer
 
@@ -46,14 +46,54 @@ def test_every_yaml_opens_with_its_launch_command() -> None:
 def test_default_config_composes() -> None:
     cfg = compose_cfg([])
     assert cfg.model._target_.endswith("smollm2_135m")
-    assert cfg.task.builtin == "pydoc" and cfg.policy.policy._target_.endswith("DyadicPolicy")
-    assert cfg.policy.backward == "truncated" and cfg.guard.action == "skip" and cfg.checkpoint_every == 50
+    assert cfg.task.builtin == "pydoc" and cfg.policy._target_.endswith("DyadicPolicy")
+    assert cfg.lcsb.backward == "all_reached" and cfg.guard.action == "skip" and cfg.checkpoint_every == 50
 
 
-@pytest.mark.parametrize("name", ["cyclic", "dyadic", "freeze", "full", "grad_norm", "paper", "random"])
+POLICIES = {"cyclic": "CyclicPolicy", "dyadic": "DyadicPolicy", "freeze": "FreezePolicy", "full": "FullPolicy",
+            "grad_norm": "GradNormPolicy", "paper": "CyclicPolicy", "random": "RandomPolicy"}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_options_instantiate(name: str) -> None:
-    callback = instantiate(compose_cfg([f"policy={name}"]).policy)
-    assert type(callback).__name__ == "LCSBCallback"
+    """Every policy option is the SelectionPolicy itself; LCSBCallback's options are the one ``lcsb`` node."""
+    cfg = compose_cfg([f"policy={name}"])
+    policy = instantiate(cfg.policy)
+    assert type(policy).__name__ == POLICIES[name]
+    callback = instantiate(cfg.lcsb, policy=policy)
+    assert type(callback).__name__ == "LCSBCallback" and callback.policy is policy
+    assert callback.backward == ("identity" if name == "paper" else "all_reached")
+
+
+@pytest.mark.parametrize(("overrides", "key", "value"), [
+    (["policy=cyclic", "policy.fraction=0.5"], "fraction", 0.5),
+    (["policy=paper", "policy.fraction=0.5"], "fraction", 0.5),
+    (["policy=random", "policy.fraction=0.5"], "fraction", 0.5),
+    (["policy=grad_norm", "policy.layers_per_step=3", "policy.fraction=null"], "layers_per_step", 3),
+    (["policy=dyadic", "policy.levels=3"], "levels", 3),
+    (["policy=freeze", "policy.switch_every=2"], "switch_every", 2),
+])
+def test_policy_overrides_read_the_same_for_every_policy(overrides: list[str], key: str, value: object) -> None:
+    assert getattr(instantiate(compose_cfg(overrides).policy), key) == value
+
+
+def test_paper_is_cyclic_with_the_identity_path_and_lcsb_overrides_win() -> None:
+    paper, cyclic = compose_cfg(["policy=paper"]), compose_cfg(["policy=cyclic"])
+    assert paper.policy == cyclic.policy and paper.lcsb.backward == "identity"
+    assert compose_cfg(["policy=paper", "lcsb.backward=all_reached"]).lcsb.backward == "all_reached"
+
+
+@pytest.mark.parametrize("name", ["skip", "stop", "rollback"])
+def test_guard_options_differ_by_their_action(name: str) -> None:
+    guard = compose_cfg([f"guard={name}"]).guard
+    assert {k: v for k, v in guard.items() if k != "action"} == {k: v for k, v in compose_cfg([]).guard.items() if k != "action"}
+    assert instantiate(guard).action == name
+
+
+def test_none_options_carry_no_node() -> None:
+    """``guard=none`` composes no callback (no ``_target_``, no key that nothing reads)."""
+    cfg = compose_cfg(["guard=none"])
+    assert not cfg.guard
 
 
 @pytest.mark.parametrize("name", ["none", "nf4", "int4"])
@@ -148,6 +188,15 @@ def test_tiny_and_hf_models_instantiate(tmp_path: Path) -> None:
 
 def test_smollm2_option_composes() -> None:
     assert compose_cfg(["model=smollm2_135m"]).model.dtype == "float32"  # instantiation: tests/test_recipes_models.py (slow)
+
+
+@pytest.mark.parametrize("override", ["seq_len=abc", "batch_size=2.5", "trainer.max_steps=1.5", "module.lr=fast",
+                                      "lcsb.probe_every=often"])
+def test_a_value_of_the_wrong_type_fails_at_composition(override: str) -> None:
+    """The schema (lcsb_lightning/recipes/config.py) types the recipe's own values: Hydra refuses them while composing."""
+    with pytest.raises(ConfigCompositionException, match=f"Error merging override {override}") as err:
+        compose_cfg([override])
+    assert "could not be converted" in str(err.value.__cause__)
 
 
 def test_unknown_option_lists_the_available_ones() -> None:

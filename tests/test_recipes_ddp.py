@@ -18,7 +18,7 @@ from _recipes_utils import FINETUNE, checkpoint_step, finetune_env, run_finetune
 EXAMPLES = 20  # 10 batches of 2 an epoch on one process, 5 per rank on two
 BASE = ["trainer=ddp", "model=tiny", "task=pydoc", "seq_len=32", f"task.max_train_examples={EXAMPLES}",
         "task.max_eval_examples=4", "trainer.val_check_interval=20", "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false", "policy.log_every_n_steps=0", "module.lr=1e-2"]
+        "trainer.enable_progress_bar=false", "lcsb.log_every_n_steps=0", "module.lr=1e-2"]
 
 
 def _checkpoint(path: Path) -> dict:

@@ -38,7 +38,7 @@ def _assert_outputs(out: Path, summary: dict) -> None:
     assert (out / "adapter" / "adapter_config.json").is_file()
     tags = _tensorboard_tags(out)
     assert {"train/loss", "train/lr", "val/loss", "val/ppl", "val/token_acc", "lcsb/num_selected"} <= tags, tags
-    assert "lcsb/selection" in tags  # the block-selection image (every policy.log_every_n_steps=2 steps)
+    assert "lcsb/selection" in tags  # the block-selection image (every lcsb.log_every_n_steps=2 steps)
     assert summary["steps"] == 4 and summary["steps_per_second"] > 0 and summary["peak_rss_mb"] > 0
     counts = summary["block_selection_counts"]
     assert len(counts) == 4 and counts[-1] == 4  # the all_reached backward trains the top block at every step

@@ -18,7 +18,7 @@ from _recipes_utils import FINETUNE, checkpoint_step, finetune_env, run_finetune
 STEPS = 60
 BASE = ["model=tiny", "task=pydoc", "seq_len=32", "task.max_eval_examples=4", f"trainer.max_steps={STEPS}",
         "trainer.val_check_interval=30", "trainer.log_every_n_steps=10", "trainer.enable_progress_bar=false",
-        "checkpoint_every=5", "policy.log_every_n_steps=0", "module.lr=1e-2"]
+        "checkpoint_every=5", "lcsb.log_every_n_steps=0", "module.lr=1e-2"]
 CONFIGS = {
     "dyadic": ["policy=dyadic"],
     "cyclic": ["policy=cyclic"],

@@ -7,10 +7,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench.recorder import CurveRecorder
 from lcsb_lightning.bench.spec import RESULT_NAME, Arm, diverged, settings_hash
+from lcsb_lightning.policies import FullPolicy
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,8 @@ def arm_config(arm: Arm, compose: Compose, steps: int, probe_every: int = 0) -> 
     extra = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps + 1}",
              "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "eval_before_training=true"]
     cfg = compose([*arm.overrides, *extra])
-    if probe_every and cfg.get("policy") and "_target_" in cfg.policy and cfg.policy.get("policy") != "full":
-        cfg.policy.probe_every = probe_every
+    if probe_every and cfg.get("policy") and "_target_" in cfg.policy and get_class(cfg.policy._target_) is not FullPolicy:
+        cfg.lcsb.probe_every = probe_every
     return cfg
 
 

@@ -16,10 +16,6 @@ from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetr
 from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
 
 
-#: transformers' schedule names this module takes (``get_scheduler``); ``*_min_lr`` ones use ``min_lr_ratio``.
-SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant_with_warmup", "constant")
-
-
 def check_adapter(path: str) -> None:
     """Raise a ``ValueError`` naming the file when ``path`` is not a complete, readable peft adapter folder."""
     import json
@@ -122,13 +118,6 @@ class CausalLMModule(LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["model", "tokenizer", "task", "lora"])
-        if schedule not in SCHEDULES:
-            raise ValueError(f"module.schedule={schedule!r} is not supported; allowed: {', '.join(SCHEDULES)}")
-        if not lr > 0 or weight_decay < 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
-            raise ValueError(
-                f"module: lr must be > 0 (got {lr}), weight_decay >= 0 ({weight_decay}), warmup_steps >= 0 "
-                f"({warmup_steps}) and min_lr_ratio in [0, 1] ({min_lr_ratio})"
-            )
         if init_adapter is not None:
             from peft import PeftModel
 

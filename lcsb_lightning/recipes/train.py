@@ -32,11 +32,11 @@ from lcsb_lightning.recipes.checkpointing import (
     CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
     resolve_checkpoint,
 )
+from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, peak_rss_mb, save_adapter, write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
-from lcsb_lightning.recipes.validation import validate_config
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,6 @@ def prepare(cfg: DictConfig) -> Prepared:
     """Build the task (its files, columns and labels checked first), the model (the sequence length
     checked against its context), the tokenized data and the ``CausalLMModule`` with its LoRA."""
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    if int(cfg.seq_len) < 2:
-        raise ValueError(f"seq_len must be at least 2, got {cfg.seq_len}")
     task = build(cfg.task, _convert_="all")
     bundle = build(cfg.model)
     if int(cfg.seq_len) > bundle.max_positions:
@@ -134,7 +132,7 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 
 
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
-    """The Trainer of the run: LCSB (the ``policy`` group), a step timer, throughput logging, the
+    """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), a step timer, throughput logging, the
     ``extra_callbacks``, resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
     checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
@@ -143,7 +141,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
         ``(trainer, lcsb_callback_or_None)``.
     """
     policy = _node(cfg, "policy")
-    callbacks: list[Any] = [cb for cb in (policy,) if cb is not None]
+    lcsb = _node(cfg, "lcsb", policy=policy) if policy is not None else None
+    callbacks: list[Any] = [cb for cb in (lcsb,) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
@@ -163,7 +162,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     trainer: L.Trainer = build(
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(output_dir), **extra
     )
-    return trainer, policy
+    return trainer, lcsb
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -215,9 +214,9 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, ``summary.json`` and a
     loss-curve PNG into ``output_dir``.
 
-    The config is validated first, then (with ``resume``) the checkpoint is read, then every input is
-    checked before the model is loaded (see :func:`prepare`). A resumable checkpoint goes to
-    ``checkpoints/last.ckpt`` every ``checkpoint_every`` steps and at the end; the adapter and the
+    The config is checked first (:func:`~lcsb_lightning.recipes.config.check_config`), then (with
+    ``resume``) the checkpoint is read, then every input is checked before the model is loaded (see
+    :func:`prepare`). A resumable checkpoint goes to ``checkpoints/last.ckpt`` every ``checkpoint_every`` steps and at the end; the adapter and the
     summary are written last. Every file is replaced only by a complete new one, by the global-zero
     process. On SIGTERM or SIGINT the run writes ``checkpoints/last.ckpt`` after the current step and
     raises :class:`~lcsb_lightning.recipes.checkpointing.Preempted` (exit status 143 or 130).
@@ -231,7 +230,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         The summary.
     """
     start = time.perf_counter()
-    validate_config(cfg)
+    check_config(cfg)
     mebp_precision(cfg)
     out = Path(output_dir)
     checkpoint = resolve_checkpoint(cfg.resume) if cfg.get("resume") else None
