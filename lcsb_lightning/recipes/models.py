@@ -53,7 +53,7 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
-    """Give the tokenizer a pad token (the EOS token) when it has none.
+    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding (labels end in ``-100``).
 
     Raises:
         ValueError: it has neither a pad nor an EOS token (sequences could be neither ended nor padded).
@@ -65,6 +65,7 @@ def _finish_tokenizer(tokenizer: Any) -> Any:
                 "model.tokenizer=<a tokenizer that has them>, or add them to the tokenizer's special tokens"
             )
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
     return tokenizer
 
 
