@@ -4,8 +4,7 @@ expected and what was seen."""
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -44,18 +43,18 @@ def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str
     return p
 
 
-@contextmanager
-def _quiet_datasets() -> Iterator[Any]:
-    """``datasets`` without its progress bars (a task reads a few small files; the bars say nothing)."""
-    import datasets
+def _datasets(what: str) -> Any:
+    """The ``datasets`` module.
 
-    shown = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
+    Raises:
+        ImportError: ``datasets`` is not installed (the message says how to install it for ``what``).
+    """
     try:
-        yield datasets
-    finally:
-        if shown:
-            datasets.enable_progress_bars()
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"reading {what} needs the `datasets` package: pip install 'lcsb-lightning[recipes]' "
+                          "(or pip install datasets)") from exc
+    return datasets
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError) -> ValueError:
@@ -68,16 +67,21 @@ def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
     Raises:
         ValueError: the file is not UTF-8, or cannot be parsed as ``what``.
     """
-    with _quiet_datasets() as datasets:
-        try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-        except StopIteration as exc:  # the json builder's answer to a file without a line
-            raise ValueError(f"{path} holds no rows") from exc
-        except (datasets.exceptions.DatasetGenerationError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            cause = exc.__cause__ or exc
-            if isinstance(cause, UnicodeDecodeError):
-                raise _not_utf8(path, cause) from exc
-            raise ValueError(f"{path} is not valid {what} ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})") from exc
+    datasets = _datasets(str(path))
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a few local files: the bars would say nothing
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    except StopIteration as exc:  # the json builder's answer to a file without a line
+        raise ValueError(f"{path} holds no rows") from exc
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        cause = exc.__cause__ or exc
+        if isinstance(cause, UnicodeDecodeError):
+            raise _not_utf8(path, cause) from exc
+        raise ValueError(f"{path} is not valid {what} ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})") from exc
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def read_text(path: Path, max_chars: int | None = None) -> str:
@@ -131,8 +135,7 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
     if kind == "jsonl":
         ds = _load("json", path, "JSON lines (one object per line)")
     else:
-        import datasets
-
+        datasets = _datasets(str(path))
         delimiter, quoting = ("\t", csv.QUOTE_NONE) if kind == "tsv" else (",", csv.QUOTE_MINIMAL)
         try:  # the column names (to read every column as strings), and whether there is a row
             with path.open(encoding="utf-8", newline="") as fh:
@@ -201,10 +204,10 @@ def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
         The rows as dictionaries.
 
     Raises:
+        ImportError: ``datasets`` is not installed.
         ConnectionError: the data set could be reached neither on the hub nor in the local cache.
     """
-    import datasets
-
+    datasets = _datasets(f"{hub['path']!r} from the Hugging Face hub")
     try:
         ds = datasets.load_dataset(hub["path"], hub.get("name"), split=split)
     except (ConnectionError, OSError) as exc:
