@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import ByT5Tokenizer
 
 from lcsb_lightning.recipes.batching import IGNORE, collate
 from lcsb_lightning.recipes.data_io import read_table, read_text
-from lcsb_lightning.recipes.models import byte_tokenizer
 
 
 def test_collate_pads_right_with_the_pad_id_and_ignored_labels() -> None:
-    tok = byte_tokenizer()
+    tok = ByT5Tokenizer()
     batch = [
         {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "prompt_ids": [5], "answer": "3"},
         {"input_ids": [8], "labels": [8], "prompt_ids": [], "answer": None},
