@@ -78,7 +78,8 @@ def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
         cause = exc.__cause__ or exc
         if isinstance(cause, UnicodeDecodeError):
             raise _not_utf8(path, cause) from exc
-        raise ValueError(f"{path} is not valid {what} ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})") from exc
+        reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise ValueError(f"{path} is not valid {what} ({reason})") from exc
     finally:
         if shown:
             datasets.enable_progress_bars()
