@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import ByT5Tokenizer
 
@@ -44,3 +45,14 @@ def test_a_changed_file_is_read_again(tmp_path: Path) -> None:
     assert read_text(path) == "first version\n"
     path.write_text("second version\n", encoding="utf-8")  # cached by datasets: the cache must notice
     assert read_text(path) == "second version\n"
+
+
+def test_bad_json_lines_and_empty_files_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "qa.jsonl"
+    bad.write_text('{"question": "q", "answer": "a"}\n{"question": \n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"qa.jsonl is not valid JSON lines .*JSON parse error"):
+        read_table(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no rows"):
+        read_table(empty)
