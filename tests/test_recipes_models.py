@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
-from _recipes_utils import one_thread  # noqa: F401
+from _recipes_utils import compose_cfg, one_thread  # noqa: F401
 from lcsb_lightning.recipes import models
 
 
 def test_byte_tokenizer_round_trips_any_text() -> None:
-    tok = models.byte_tokenizer()
+    tiny = compose_cfg(["model=tiny"]).model
+    tok = models.random_init(instantiate(tiny.config), init_device="meta").tokenizer
     text = "Größe: 3 × 4 = 12 ✓\n\ttabs"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert tok.decode(ids) == text and max(ids) < tok.vocab_size == 259
-    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.decode(ids) == text and ids == [b + 3 for b in text.encode()] and len(tok) == tiny.config.vocab_size == 384
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, None) == (
+        tiny.config.pad_token_id, tiny.config.eos_token_id, tiny.config.bos_token_id)
+    assert tok.padding_side == "right"
+    with pytest.raises(ValueError, match=r"config.vocab_size=320 is below the 384 ids .* allowed: an integer >= 384"):
+        models.random_init(instantiate(tiny.config, vocab_size=320), init_device="meta")
 
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

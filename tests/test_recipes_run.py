@@ -62,7 +62,7 @@ def test_lm_text_run_and_adapter_reload(tmp_path: Path) -> None:
     metric = LanguageModelMetrics()
     with torch.no_grad():
         for i in range(0, len(data.eval), cfg.eval_batch_size):
-            batch = collate(data.eval[i : i + cfg.eval_batch_size], bundle.tokenizer.pad_token_id)
+            batch = collate(data.eval[i : i + cfg.eval_batch_size], bundle.tokenizer)
             metric.update(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
     assert float(metric.compute()["loss"]) == pytest.approx(summary["final_metrics"]["val/loss"], abs=1e-4)
 

@@ -151,7 +151,7 @@ def time_task(
 
     base_cfg: DictConfig = compose([*common, f"task={task}"])
     prepared = prepare(base_cfg)
-    train_loader, _ = make_loaders(prepared.data, base_cfg, prepared.bundle.tokenizer.pad_token_id)
+    train_loader, _ = make_loaders(prepared.data, base_cfg, prepared.bundle.tokenizer)
     raw: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     load_before = list(os.getloadavg())
     for round_index in range(rounds):

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 IGNORE = -100
 Example = dict[str, Any]
+#: The keys of an example that are padded into tensors; the others are batched as lists.
+PADDED = ("input_ids", "labels")
 
 
-def collate(batch: list[Example], pad_id: int) -> dict[str, Any]:
-    """Right-pad ``input_ids``/``labels`` into tensors with an ``attention_mask``; keep other keys as lists.
+def collate(batch: list[Example], tokenizer: Any) -> dict[str, Any]:
+    """Pad ``input_ids`` (pad id) and ``labels`` (``-100``) with ``transformers.DataCollatorForSeq2Seq``.
+
+    Padding goes on the tokenizer's ``padding_side`` (the recipes' tokenizers pad on the right, see
+    :func:`~lcsb_lightning.recipes.models._finish_tokenizer`) to the longest example, with an
+    ``attention_mask``; the other keys of the examples (``prompt_ids``, ``answer``, ``label``) are
+    kept as lists.
 
     Args:
         batch: Examples from :meth:`Task.build`.
-        pad_id: The tokenizer's pad token id.
+        tokenizer: The tokenizer whose pad token id pads ``input_ids``.
     """
-    width = max(len(ex["input_ids"]) for ex in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, ex in enumerate(batch):
-        n = len(ex["input_ids"])
-        ids[i, :n] = torch.tensor(ex["input_ids"])
-        labels[i, :n] = torch.tensor(ex["labels"])
-        mask[i, :n] = 1
-    out: dict[str, Any] = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    for key in batch[0]:
-        if key not in out:
-            out[key] = [ex[key] for ex in batch]
+    from transformers import DataCollatorForSeq2Seq
+
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE, return_tensors="pt")
+    out = dict(collator([{key: ex[key] for key in PADDED} for ex in batch]))
+    out.update({key: [ex[key] for ex in batch] for key in batch[0] if key not in out})
     return out

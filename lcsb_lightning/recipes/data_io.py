@@ -1,10 +1,11 @@
-"""Reading task files (text, JSON lines, TSV/CSV) with errors that say what was expected and what was seen."""
+"""Reading task files (text, JSON lines, TSV/CSV) through ``datasets.load_dataset``, with errors that say what was
+expected and what was seen."""
 
 from __future__ import annotations
 
 import csv
-import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ DATA_HINT = (
     "name an existing file, or run the preset without data_dir to load its data set from the Hugging Face "
     "hub (needs network, or the data set in the local Hugging Face cache)"
 )
+FORMATS = ("tsv", "csv", "jsonl")
+EXTENSIONS = {".tsv": "tsv", ".txt": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 
 
 def resolve_path(path: str | Path, data_dir: str | Path | None = None) -> Path:
@@ -40,61 +43,83 @@ def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str
     return p
 
 
+def _datasets(what: str) -> Any:
+    """The ``datasets`` module.
+
+    Raises:
+        ImportError: ``datasets`` is not installed (the message says how to install it for ``what``).
+    """
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"reading {what} needs the `datasets` package: pip install 'lcsb-lightning[recipes]' "
+                          "(or pip install datasets)") from exc
+    return datasets
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it, e.g. iconv -t utf-8")
+
+
+def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
+    """``datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)``; errors name the file.
+
+    Raises:
+        ValueError: the file is not UTF-8, or cannot be parsed as ``what``.
+    """
+    datasets = _datasets(str(path))
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a few local files: the bars would say nothing
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    except StopIteration as exc:  # the json builder's answer to a file without a line
+        raise ValueError(f"{path} holds no rows") from exc
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        cause = exc.__cause__ or exc
+        if isinstance(cause, UnicodeDecodeError):
+            raise _not_utf8(path, cause) from exc
+        reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise ValueError(f"{path} is not valid {what} ({reason})") from exc
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
 def read_text(path: Path, max_chars: int | None = None) -> str:
-    """Read a UTF-8 text file, optionally only its first ``max_chars`` characters.
+    """Read a UTF-8 text file as one document (``load_dataset("text", sample_by="document")``).
+
+    Args:
+        path: The file.
+        max_chars: Keep only its first this many characters.
 
     Raises:
         ValueError: the file is empty, or not UTF-8 (the message names the byte offset).
     """
-    try:
-        with path.open(encoding="utf-8") as fh:
-            text = fh.read(max_chars) if max_chars else fh.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it, e.g. iconv -t utf-8") from exc
+    rows = _load("text", path, "text", sample_by="document")
+    text = rows[0]["text"] if len(rows) else ""
+    text = text[:max_chars] if max_chars else text
     if not text.strip():
         raise ValueError(f"{path} is empty")
     return text
 
 
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a JSON-lines file, naming the line of a syntax error or of bad UTF-8."""
-    with path.open(encoding="utf-8", errors="strict") as fh:
-        try:
-            lines = list(fh)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-            yield row
-
-
 def detect_format(path: Path, fmt: str = "auto") -> str:
     """Return ``tsv``, ``csv`` or ``jsonl`` from ``fmt`` or the file extension."""
     if fmt != "auto":
-        if fmt not in ("tsv", "csv", "jsonl"):
+        if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; use auto, tsv, csv or jsonl")
         return fmt
-    ext = path.suffix.lower()
-    if ext in (".tsv", ".txt"):
-        return "tsv"
-    if ext == ".csv":
-        return "csv"
-    if ext in (".jsonl", ".json", ".ndjson"):
-        return "jsonl"
-    raise ValueError(f"cannot tell the format of {path} from its extension; set format: tsv, csv or jsonl")
+    if path.suffix.lower() not in EXTENSIONS:
+        raise ValueError(f"cannot tell the format of {path} from its extension; set format: tsv, csv or jsonl")
+    return EXTENSIONS[path.suffix.lower()]
 
 
 def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
-    """Read a TSV, CSV or JSONL file into rows keyed by column name.
+    """Read a TSV, CSV or JSONL file into rows keyed by column name, with ``datasets.load_dataset``.
 
-    Without a header, columns are named by position: ``"0"``, ``"1"``, ...
+    TSV and CSV go through the ``csv`` builder (pandas) with every cell kept as the string it is in the
+    file: no number parsing, no ``NA`` -> missing. TSV cells are not quoted (``csv.QUOTE_NONE``): SST-2's
+    sentences hold quote characters. Without a header, columns are named by position: ``"0"``, ``"1"``, ...
 
     Args:
         path: The file.
@@ -103,27 +128,30 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
 
     Returns:
         The column names seen and the rows.
+
+    Raises:
+        ValueError: the file is not UTF-8, cannot be parsed, or holds no rows.
     """
     kind = detect_format(path, fmt)
     if kind == "jsonl":
-        rows = list(iter_jsonl(path))
-        columns = list(rows[0].keys()) if rows else []
-        return columns, rows
-    delimiter = "\t" if kind == "tsv" else ","
-    quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
-    try:
-        with path.open(encoding="utf-8", newline="") as fh:
-            lines = [line for line in csv.reader(fh, delimiter=delimiter, quoting=quoting) if line]
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
-    if len(lines) <= int(header):
-        raise ValueError(f"{path} holds no rows")
-    if header:
-        columns, body = [c.strip() for c in lines[0]], lines[1:]
+        ds = _load("json", path, "JSON lines (one object per line)")
     else:
-        columns, body = [str(i) for i in range(len(lines[0]))], lines
-    rows = [dict(zip(columns, line)) for line in body]
-    return columns, rows
+        datasets = _datasets(str(path))
+        delimiter, quoting = ("\t", csv.QUOTE_NONE) if kind == "tsv" else (",", csv.QUOTE_MINIMAL)
+        try:  # the column names (to read every column as strings), and whether there is a row
+            with path.open(encoding="utf-8", newline="") as fh:
+                lines = list(islice(filter(None, csv.reader(fh, delimiter=delimiter, quoting=quoting)), 2))
+        except UnicodeDecodeError as exc:
+            raise _not_utf8(path, exc) from exc
+        if len(lines) <= int(header):
+            raise ValueError(f"{path} holds no rows")
+        columns = [c.strip() for c in lines[0]] if header else [str(i) for i in range(len(lines[0]))]
+        features = datasets.Features({c: datasets.Value("string") for c in columns})
+        ds = _load("csv", path, kind.upper(), delimiter=delimiter, quoting=quoting, column_names=columns, index_col=False,
+                   skiprows=1 if header else None, features=features, keep_default_na=False, na_filter=False)
+    if not len(ds):
+        raise ValueError(f"{path} holds no rows")
+    return list(ds.column_names), ds.to_list()
 
 
 def column_name(columns: Sequence[str], column: str | int, role: str, path: Path) -> str:
@@ -145,11 +173,11 @@ def column_name(columns: Sequence[str], column: str | int, role: str, path: Path
     return str(column)
 
 
-def check_fields(row: Mapping[str, Any], fields: Sequence[str], path: Path) -> None:
-    """Raise a KeyError naming the missing fields and listing the fields seen in ``row``."""
-    missing = [f for f in fields if f not in row]
+def check_fields(columns: Sequence[str], fields: Sequence[str], path: Path) -> None:
+    """Raise a KeyError naming the missing fields and listing the fields seen (``columns``)."""
+    missing = [f for f in fields if f not in columns]
     if missing:
-        raise KeyError(f"field(s) {missing} not found in {path}; fields seen: {list(row.keys())}")
+        raise KeyError(f"field(s) {missing} not found in {path}; fields seen: {list(columns)}")
 
 
 HUB_KEYS = ("path", "name", "train_split", "eval_split", "text_field")
@@ -180,13 +208,7 @@ def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
         ImportError: ``datasets`` is not installed.
         ConnectionError: the data set could be reached neither on the hub nor in the local cache.
     """
-    try:
-        import datasets  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise ImportError(
-            f"loading {hub['path']!r} from the Hugging Face hub needs the `datasets` package: "
-            "pip install 'lcsb-lightning[recipes]' (or pip install datasets), or give data_dir= with local files"
-        ) from exc
+    datasets = _datasets(f"{hub['path']!r} from the Hugging Face hub")
     try:
         ds = datasets.load_dataset(hub["path"], hub.get("name"), split=split)
     except (ConnectionError, OSError) as exc:

@@ -53,7 +53,7 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
-    """Give the tokenizer a pad token (the EOS token) when it has none.
+    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding (labels end in ``-100``).
 
     Raises:
         ValueError: it has neither a pad nor an EOS token (sequences could be neither ended nor padded).
@@ -65,6 +65,7 @@ def _finish_tokenizer(tokenizer: Any) -> Any:
                 "model.tokenizer=<a tokenizer that has them>, or add them to the tokenizer's special tokens"
             )
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
     return tokenizer
 
 
@@ -273,51 +274,6 @@ def from_pretrained(
     return _bundle(model, tok, Path(name_or_path).name or name_or_path)
 
 
-def byte_tokenizer(model_max_length: int = 1 << 20) -> Any:
-    """A byte-level tokenizer that needs no download and no training (259 ids: 256 bytes + 3 specials).
-
-    Used by the random-init shapes and the ``tiny`` test model. Every text round-trips exactly.
-
-    Args:
-        model_max_length: Value stored on the tokenizer.
-
-    Returns:
-        A ``PreTrainedTokenizerFast`` with ``<pad>`` (0), ``<s>`` (1) and ``</s>`` (2).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for b, ch in sorted(_bytes_to_unicode().items()):
-        vocab[ch] = len(specials) + b
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
-    )
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        model_max_length=model_max_length,
-    )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map (used by the ByteLevel pre-tokenizer)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def random_init(
     config: Any,
     name: str = "random-init",
@@ -325,9 +281,11 @@ def random_init(
     init_device: str = "cpu",
     dtype: str = "float32",
 ) -> ModelBundle:
-    """A randomly initialised causal LM of a given shape, with the byte-level tokenizer.
+    """A randomly initialised causal LM of a given shape, with the byte-level ``transformers.ByT5Tokenizer``.
 
     For speed and memory studies only: the weights are random, so the loss starts near ``log(vocab)``.
+    The tokenizer needs no files: one id per UTF-8 byte (byte + 3) after ``<pad>`` (0), ``</s>`` (1) and
+    ``<unk>`` (2), then 125 ``<extra_id_N>``; ``len(tokenizer)`` (384) ids in all.
 
     Args:
         config: A ``transformers.PretrainedConfig`` (instantiated from the YAML's ``_target_``).
@@ -339,12 +297,13 @@ def random_init(
     Returns:
         The model bundle.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
+    tokenizer = ByT5Tokenizer()
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"config.vocab_size={config.vocab_size} is below the {len(tokenizer)} ids of the byte tokenizer "
+                         f"(ByT5Tokenizer); allowed: an integer >= {len(tokenizer)}")
     torch.manual_seed(seed)
     with torch.device(init_device):
         model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype))
-    tokenizer = byte_tokenizer()
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the byte tokenizer's {tokenizer.vocab_size}")
     return _bundle(model, tokenizer, name)

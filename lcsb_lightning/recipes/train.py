@@ -88,9 +88,10 @@ def prepare(cfg: DictConfig) -> Prepared:
     return Prepared(task, bundle, data, module)
 
 
-def make_loaders(data: TaskData, cfg: DictConfig, pad_id: int) -> tuple[ResumableLoader, DataLoader]:
-    """Training (a seeded permutation per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders."""
-    fn = partial(collate, pad_id=pad_id)
+def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
+    """Training (a seeded permutation per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders
+    that pad with ``tokenizer`` (:func:`~lcsb_lightning.recipes.batching.collate`)."""
+    fn = partial(collate, tokenizer=tokenizer)
     sampler = EpochShuffle(len(data.train), seed=int(cfg.seed))
     train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), sampler=sampler, collate_fn=fn)
     evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
@@ -237,7 +238,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     if checkpoint is not None:
         check_checkpoint(checkpoint)
     prepared = prepare(cfg)
-    train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer.pad_token_id)
+    train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)
     trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
     module = prepared.module
 

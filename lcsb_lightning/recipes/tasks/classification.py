@@ -58,8 +58,8 @@ class ClassificationTask(Task):
         if self.source == "files":
             if not train_file or not eval_file:
                 raise ValueError("classification needs train_file and eval_file (or hub:)")
-            for name, f in (("train", train_file), ("eval", eval_file)):
-                path = require_file(f, data_dir)
+            paths = {"train": require_file(train_file, data_dir), "eval": require_file(eval_file, data_dir)}
+            for name, path in paths.items():
                 columns, rows = read_table(path, format, header)
                 self._rows_cache[name] = self._check(path, columns, rows)
 

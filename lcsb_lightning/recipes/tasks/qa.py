@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
-from lcsb_lightning.recipes.data_io import check_fields, check_hub, iter_jsonl, load_hub_rows, require_file
+from lcsb_lightning.recipes.data_io import check_fields, check_hub, load_hub_rows, read_table, require_file
 from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, _ids, _subsample, data_source, extract_number
 
 
@@ -67,12 +67,11 @@ class QAJsonlTask(Task):
         if self.source == "files":
             if not train_file or not eval_file:
                 raise ValueError("qa_jsonl needs train_file and eval_file (or hub:)")
-            self.train_file, self.eval_file = require_file(train_file, data_dir), require_file(eval_file, data_dir)
-            for path in (self.train_file, self.eval_file):
-                first = next(iter_jsonl(path), None)
-                if first is None:
-                    raise ValueError(f"{path} holds no rows")
-                check_fields(first, [prompt_field, answer_field], path)
+            self._file_rows: list[list[dict[str, Any]]] = []
+            for path in [require_file(train_file, data_dir), require_file(eval_file, data_dir)]:
+                columns, rows = read_table(path, "jsonl")
+                check_fields(columns, [prompt_field, answer_field], path)
+                self._file_rows.append(rows)
 
     def _rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if self.source == "hub":
@@ -81,7 +80,7 @@ class QAJsonlTask(Task):
                 load_hub_rows(self.hub, self.hub.get("train_split", "train")),
                 load_hub_rows(self.hub, self.hub.get("eval_split", "test")),
             )
-        return list(iter_jsonl(self.train_file)), list(iter_jsonl(self.eval_file))
+        return self._file_rows[0], self._file_rows[1]
 
     def _example(self, tokenizer: Any, row: Mapping[str, Any], seq_len: int) -> Example | None:
         prompt = _ids(tokenizer, self.template.format(prompt=row[self.prompt_field]))
