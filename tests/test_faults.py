@@ -40,7 +40,7 @@ def test_full_disk_while_writing_a_checkpoint(tmp_path: Path, monkeypatch: pytes
 
 
 def test_full_disk_while_writing_an_offload_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lcsb_lightning.mebp.offload import MmapOffload
+    from lcsb_lightning.mebp._internal.offload import MmapOffload
 
     class FullDisk:
         def tofile(self, handle: Any) -> None:

@@ -61,7 +61,7 @@ class DyadicPolicy(SelectionPolicy):
     Round ``r`` trains the top ``N / 2^(L-1-v)`` blocks, where ``v`` is the number of times 2 divides
     ``r`` (capped at ``L - 1``; round 0 trains all). A block in the top ``N / 2^(L-1)`` trains every
     round; one in the bottom half every ``2^(L-1)``-th. The expected depth is
-    ``N * (1 / 2^(L-1) + (L - 1) / 2^L)`` (``5N/16`` for ``L = 4``), so with ``backward="exact"`` the
+    ``N * (1 / 2^(L-1) + (L - 1) / 2^L)`` (``5N/16`` for ``L = 4``), so with ``backward="selected_only"`` the
     backward pass costs about a third of full backprop's and every gradient is exact.
 
     Args:
