@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import ByT5Tokenizer
 
-from lcsb_lightning.recipes.batching import IGNORE, collate
+from lcsb_lightning.recipes.batching import IGNORE, PaddingCollator
 from lcsb_lightning.recipes.data_io import read_table, read_text
 
 
@@ -18,7 +18,7 @@ def test_collate_pads_right_with_the_pad_id_and_ignored_labels() -> None:
         {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "prompt_ids": [5], "answer": "3"},
         {"input_ids": [8], "labels": [8], "prompt_ids": [], "answer": None},
     ]
-    out = collate(batch, tok)
+    out = PaddingCollator(tok)(batch)
     pad = tok.pad_token_id
     assert torch.equal(out["input_ids"], torch.tensor([[5, 6, 7], [8, pad, pad]]))
     assert torch.equal(out["labels"], torch.tensor([[IGNORE, 6, 7], [8, IGNORE, IGNORE]]))

@@ -12,7 +12,7 @@ from peft import PeftModel
 
 from _recipes_utils import FAST, compose_cfg, one_thread, write_cls, write_qa, write_text  # noqa: F401
 from lcsb_lightning.recipes.metrics import LanguageModelMetrics
-from lcsb_lightning.recipes.batching import collate
+from lcsb_lightning.recipes.batching import PaddingCollator
 from lcsb_lightning.recipes.train import run_finetune
 
 
@@ -59,10 +59,10 @@ def test_lm_text_run_and_adapter_reload(tmp_path: Path) -> None:
     bundle = instantiate(cfg.model)
     model = PeftModel.from_pretrained(bundle.model, str(out / "adapter")).eval()
     data = instantiate(cfg.task, _convert_="all").build(bundle.tokenizer, cfg.seq_len)
-    metric = LanguageModelMetrics()
+    metric, pad = LanguageModelMetrics(), PaddingCollator(bundle.tokenizer)
     with torch.no_grad():
         for i in range(0, len(data.eval), cfg.eval_batch_size):
-            batch = collate(data.eval[i : i + cfg.eval_batch_size], bundle.tokenizer)
+            batch = pad(data.eval[i : i + cfg.eval_batch_size])
             metric.update(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
     assert float(metric.compute()["loss"]) == pytest.approx(summary["final_metrics"]["val/loss"], abs=1e-4)
 

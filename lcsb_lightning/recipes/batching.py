@@ -10,21 +10,25 @@ Example = dict[str, Any]
 PADDED = ("input_ids", "labels")
 
 
-def collate(batch: list[Example], tokenizer: Any) -> dict[str, Any]:
-    """Pad ``input_ids`` (pad id) and ``labels`` (``-100``) with ``transformers.DataCollatorForSeq2Seq``.
+class PaddingCollator:
+    """Pads ``input_ids`` (pad id) and ``labels`` (``-100``) with ``transformers.DataCollatorForSeq2Seq``.
 
     Padding goes on the tokenizer's ``padding_side`` (the recipes' tokenizers pad on the right, see
     :func:`~lcsb_lightning.recipes.models._finish_tokenizer`) to the longest example, with an
     ``attention_mask``; the other keys of the examples (``prompt_ids``, ``answer``, ``label``) are
-    kept as lists.
+    kept as lists. Built once per data loader, called once per batch.
 
     Args:
-        batch: Examples from :meth:`Task.build`.
         tokenizer: The tokenizer whose pad token id pads ``input_ids``.
     """
-    from transformers import DataCollatorForSeq2Seq
 
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE, return_tensors="pt")
-    out = dict(collator([{key: ex[key] for key in PADDED} for ex in batch]))
-    out.update({key: [ex[key] for ex in batch] for key in batch[0] if key not in out})
-    return out
+    def __init__(self, tokenizer: Any) -> None:
+        from transformers import DataCollatorForSeq2Seq
+
+        self.collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE, return_tensors="pt")
+
+    def __call__(self, batch: list[Example]) -> dict[str, Any]:
+        """The batch of ``batch``'s examples (from :meth:`Task.build`)."""
+        out = dict(self.collator([{key: ex[key] for key in PADDED} for ex in batch]))
+        out.update({key: [ex[key] for ex in batch] for key in batch[0] if key not in out})
+        return out

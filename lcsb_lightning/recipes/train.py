@@ -13,7 +13,6 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
-from lcsb_lightning.recipes.batching import collate
+from lcsb_lightning.recipes.batching import PaddingCollator
 from lcsb_lightning.recipes.checkpointing import (
     CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
     resolve_checkpoint,
@@ -90,8 +89,8 @@ def prepare(cfg: DictConfig) -> Prepared:
 
 def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
     """Training (a seeded permutation per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders
-    that pad with ``tokenizer`` (:func:`~lcsb_lightning.recipes.batching.collate`)."""
-    fn = partial(collate, tokenizer=tokenizer)
+    that pad with ``tokenizer`` (one :class:`~lcsb_lightning.recipes.batching.PaddingCollator`)."""
+    fn = PaddingCollator(tokenizer)
     sampler = EpochShuffle(len(data.train), seed=int(cfg.seed))
     train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), sampler=sampler, collate_fn=fn)
     evals = DataLoader(data.eval, batch_size=int(cfg.eval_batch_size), shuffle=False, collate_fn=fn)
