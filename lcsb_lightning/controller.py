@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -88,6 +89,10 @@ class LCSBController:
         self.observed_at_step = -1
         # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
+        # parameters a model uses in two places (an input embedding tied to the head): a step whose backward
+        # does not reach the lookup still gives them the head's exact gradient, which is theirs to use
+        names_per_param = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        self._shared_param_ids = frozenset(i for i, count in names_per_param.items() if count > 1)
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
             self.block_params.blocks, self.block_params.params_per_block,
             "identity" if backward == "identity" else "selected_only",
@@ -139,9 +144,13 @@ class LCSBController:
         in_optimizer = self._param_ids(optimizer)
         # Identity-path blocks already hold exact zeros; the others a gradient passed through them
         # may have computed, which is not theirs to use this step. The last list: trainable tensors below
-        # the first block (an embedding), which train on the steps whose backward reaches them.
+        # the first block (an embedding), which train on the steps whose backward reaches them (a tied one
+        # also at every step, from the head).
         known_zero = self.backward == "identity"
-        below = self.selective.params_below if self.selective is not None and not self.selective.reaches_below else []
+        below = (
+            [p for p in self.selective.params_below if id(p) not in self._shared_param_ids]
+            if self.selective is not None and not self.selective.reaches_below else []
+        )
         for index, params in enumerate([*self.block_params.params_per_block, below]):
             if index in chosen:
                 continue

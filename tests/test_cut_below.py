@@ -200,6 +200,44 @@ def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not
         controller.release()
 
 
+def _tied_lora_with_trainable_embedding() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_BLOCKS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,  # as SmolLM2, Qwen2.5-0.5B, Gemma
+    )
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    model.get_input_embeddings().weight.requires_grad_(True)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    return model
+
+
+@pytest.mark.parametrize("momentum", ["implicit", "skip"])
+def test_a_tied_embedding_keeps_its_head_gradient_on_steps_that_do_not_reach_it(momentum: str) -> None:
+    model = _tied_lora_with_trainable_embedding()
+    weight = model.get_input_embeddings().weight
+    # reference: the head's share of the tied weight's gradient alone (the lookup's share is cut off)
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.detach())
+    _loss(model).backward()
+    hook.remove()
+    head_share = weight.grad.clone()
+    assert head_share.any()
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), momentum=momentum)
+    try:
+        assert controller.begin_step(1, [optimizer]) == (2, 3)  # does not reach the embedding lookup
+        _loss(model).backward()
+        controller.before_optimizer_step(optimizer)
+        assert weight.grad is not None
+        torch.testing.assert_close(weight.grad, head_share)
+    finally:
+        controller.release()
+
+
 class _OuterReentrantNet(nn.Module):
     """A user's model that wraps each block call in a reentrant checkpoint itself."""
 
