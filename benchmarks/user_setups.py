@@ -8,6 +8,7 @@ full fine-tuning without LoRA. Arms alternate within each round, in one process;
 the mean step time over one dyadic cycle (8 optimizer steps) after ``--warmup`` steps::
 
     python benchmarks/user_setups.py --rounds 2
+    python benchmarks/user_setups.py --rounds 3 --lcsb-kwargs '{"momentum": "skip"}'
 
 It prints one line per measurement, then a markdown table with the speed-ups and the load average.
 """
@@ -94,7 +95,8 @@ def _module(model: nn.Module) -> Any:
     return UserLM()
 
 
-def _step_seconds(setup: str, lcsb: bool, shape: dict[str, int], warmup: int) -> float:
+def _step_seconds(setup: str, lcsb: bool, shape: dict[str, int], warmup: int,
+                  lcsb_kwargs: dict[str, Any] | None = None) -> float:
     """Mean seconds per optimizer step over one dyadic cycle after ``warmup`` steps."""
     from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -119,7 +121,7 @@ def _step_seconds(setup: str, lcsb: bool, shape: dict[str, int], warmup: int) ->
             self.seconds.append(time.perf_counter() - self.start)
 
     timer = Timer()
-    callbacks = [timer, LCSBCallback()] if lcsb else [timer]
+    callbacks = [timer, LCSBCallback(**(lcsb_kwargs or {}))] if lcsb else [timer]
     trainer = Trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(_module(model), DataLoader(TensorDataset(tokens), batch_size=shape["batch_size"]))
@@ -127,23 +129,26 @@ def _step_seconds(setup: str, lcsb: bool, shape: dict[str, int], warmup: int) ->
     return statistics.fmean(timer.seconds[warmup:])
 
 
-def run(setups: list[str], shape_name: str, rounds: int, warmup: int) -> dict[str, Any]:
+def run(setups: list[str], shape_name: str, rounds: int, warmup: int,
+        lcsb_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     seconds: dict[str, dict[str, list[float]]] = {s: {"full": [], "lcsb": []} for s in setups}
     loads = [os.getloadavg()[0]]
     for round_index in range(rounds):
         for setup in setups:
             for arm in ("full", "lcsb"):
-                value = _step_seconds(setup, arm == "lcsb", shape, warmup)
+                value = _step_seconds(setup, arm == "lcsb", shape, warmup, lcsb_kwargs)
                 seconds[setup][arm].append(value)
                 print(f"round {round_index}  {setup:42s} {arm:5s} {value:.3f} s/step  load {os.getloadavg()[0]:.2f}",
                       flush=True)
         loads.append(os.getloadavg()[0])
-    return {"shape": shape_name, "rounds": rounds, "warmup": warmup, "seconds": seconds, "load_average": loads}
+    return {"shape": shape_name, "rounds": rounds, "warmup": warmup, "lcsb_kwargs": lcsb_kwargs or {},
+            "seconds": seconds, "load_average": loads}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| set-up | full backprop s/step | `LCSBCallback()` s/step | speed-up per round | speed-up (mean) |",
+    call = ", ".join(f"{k}={v!r}" for k, v in result.get("lcsb_kwargs", {}).items())
+    lines = [f"| set-up | full backprop s/step | `LCSBCallback({call})` s/step | speed-up per round | speed-up (mean) |",
              "|---|---|---|---|---|"]
     for setup, arms in result["seconds"].items():
         ratios = [f / s for f, s in zip(arms["full"], arms["lcsb"])]
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--setups", nargs="+", choices=sorted(SETUPS), default=list(SETUPS), metavar="SETUP")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lcsb-kwargs", type=json.loads, default={}, metavar="JSON",
+                        help='keyword arguments of LCSBCallback, e.g. \'{"momentum": "skip"}\' (default: none)')
     parser.add_argument("--out", type=Path, default=None, help="write results.json and results.md into this folder")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
@@ -170,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("lightning.pytorch", "lightning.fabric", "lcsb_lightning"):  # one line per measurement
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*(does not have many workers|is deprecated).*")
-    result = run(args.setups, args.shape, args.rounds, args.warmup)
+    if not isinstance(args.lcsb_kwargs, dict):
+        parser.error(f"--lcsb-kwargs must be a JSON object, got {args.lcsb_kwargs!r}")
+    result = run(args.setups, args.shape, args.rounds, args.warmup, args.lcsb_kwargs)
     text = table(result)
     print(text)
     if args.out is not None:

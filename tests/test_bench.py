@@ -71,6 +71,8 @@ def test_slug_is_folder_safe() -> None:
 @pytest.mark.parametrize(("bench", "match"), [
     ({"studies": ["quality", "bogus"]}, "subset of"),
     ({"studies": ["quality"]}, "has no such section"),
+    ({"studies": ["quality"], "quality": {**QUALITY, "extra_eval_steps": [5, 0]}}, "extra_eval_steps must be a list"),
+    ({"studies": ["quality"], "quality": {**QUALITY, "extra_eval_steps": ["5"]}}, "extra_eval_steps must be a list"),
 ])
 def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -246,6 +248,18 @@ def test_finished_arms_are_skipped_and_changed_settings_run_again(tmp_path: Path
         bench["stability"]["steps"] = 4  # other settings: every arm runs again, nothing stale is reported
         run_benchmark(bench, tmp_path, compose_ft, command="test")
         assert len(ran) == 24
+
+
+@pytest.mark.parametrize(("run_steps", "every", "extra", "expected"), [
+    (100, 25, [], [25, 50, 75, 100]),
+    (100, 25, [5, 10, 15, 20], [5, 10, 15, 20, 25, 50, 75, 100]),
+    (100, 25, [25, 100, 150], [25, 50, 75, 100]),  # no duplicates, nothing past the run
+    (30, 0, [10], [10, 30]),
+])
+def test_evaluation_steps_add_dense_early_evaluations(run_steps: int, every: int, extra: list[int], expected: list[int]) -> None:
+    from lcsb_lightning.bench.runner import evaluation_steps
+
+    assert evaluation_steps(run_steps, every, extra) == expected
 
 
 def test_a_wallclock_arm_needs_the_recipe_speed_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,27 @@ def test_a_tiny_round_prints_the_side_by_side_table(tmp_path: Path, capsys: pyte
     assert "load average" in (tmp_path / "results.md").read_text()
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_lcsb_kwargs_reach_the_callback_and_name_the_column(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lcsb_lightning
+
+    built: list[str] = []
+
+    class RecordingCallback(lcsb_lightning.LCSBCallback):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self.momentum)
+
+    monkeypatch.setattr(lcsb_lightning, "LCSBCallback", RecordingCallback)
+    script = load_script()
+    result = script.main(["--shape", "tiny", "--rounds", "1", "--warmup", "0", "--setups", "LoRA",
+                          "--lcsb-kwargs", '{"momentum": "skip"}'])
+    assert built == ["skip"] and result["lcsb_kwargs"] == {"momentum": "skip"}
+    assert "`LCSBCallback(momentum='skip')` s/step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--lcsb-kwargs", "[1, 2]"], ["--lcsb-kwargs", "{not json"]])
+def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
-        load_script().main(["--rounds", "0"])
+        load_script().main(argv)

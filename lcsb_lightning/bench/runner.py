@@ -54,6 +54,10 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     for study in (*FINETUNE_STUDIES, "stability"):
         if study in arms and int(bench[study]["steps"]) < 1:
             raise ValueError(f"benchmark.{study}.steps must be >= 1, got {bench[study]['steps']}")
+    for study in FINETUNE_STUDIES:
+        extra = (bench.get(study) or {}).get("extra_eval_steps") or []
+        if study in arms and not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in extra):
+            raise ValueError(f"benchmark.{study}.extra_eval_steps must be a list of positive step numbers, got {extra!r}")
     share = (bench.get("quality") or {}).get("target_share", 0.9)
     if "quality" in arms and not (isinstance(share, (int, float)) and 0 < share <= 1):
         raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
@@ -88,6 +92,19 @@ def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]
     return out
 
 
+def evaluation_steps(run_steps: int, every: int, extra: Sequence[int] = ()) -> list[int]:
+    """The steps a fine-tuning arm evaluates at: every ``every`` steps (0: none), the ``extra`` steps below
+    ``run_steps`` (dense early evaluations, where a curve falls fastest), and the last step.
+
+    Example::
+
+        >>> evaluation_steps(100, 25, extra=[5, 10, 25, 300])
+        [5, 10, 25, 50, 75, 100]
+    """
+    regular = range(every, run_steps, every) if every else ()
+    return sorted({*regular, *(int(s) for s in extra if 0 < int(s) < run_steps), run_steps})
+
+
 def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, compose: Compose,
                         bench: Mapping[str, Any]) -> None:
     steps, every = int(q["steps"]), int(q.get("eval_every") or 0)
@@ -102,7 +119,7 @@ def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, c
                     "benchmark.studies (before this study) with that task and arm"
                 )
             run_steps = max(steps, round(steps * factor))
-        eval_steps = [*range(every, run_steps, every), run_steps] if every else [run_steps]
+        eval_steps = evaluation_steps(run_steps, every, q.get("extra_eval_steps") or ())
         cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
         expected = settings_hash(arm_settings(cfg, eval_steps))
         if load_result(root, arm, expected) is not None:
