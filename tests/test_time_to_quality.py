@@ -81,3 +81,25 @@ def test_bad_target_share_is_refused_before_any_run(share: Any) -> None:
         validate(bench)
     with pytest.raises(ValueError, match="`share` must be in"):
         time_to_quality_rows([FULL], share=share if isinstance(share, (int, float)) else -1)
+
+
+def test_ratios_at_other_targets_show_an_early_lead_and_a_late_loss() -> None:
+    from lcsb_lightning.bench.time_to_quality import ratios_by_share
+
+    rows = {r["arm"]: r["ratios"] for r in ratios_by_share([FULL, FAST, FAST_WALLCLOCK, NEVER], None, [0.5, 0.9])}
+    assert set(rows) == {"full", "fast", "never"}
+    assert rows["full"] == {0.5: pytest.approx(1.0), 0.9: pytest.approx(1.0)}
+    # target 3.0 at 50%: full at step 25 (50 s), fast at step 50 (50 s); 90%: 116.67 s against 150 s
+    assert rows["fast"][0.5] == pytest.approx(1.0) and rows["fast"][0.9] == pytest.approx(116.6667 / 150.0, rel=1e-4)
+    assert rows["never"] == {0.5: None, 0.9: None}  # it ends at 3.3
+    text = report.markdown({"time_to_quality": time_to_quality_rows([FULL, FAST]),
+                            "time_to_quality_by_share": ratios_by_share([FULL, FAST], None, [0.5, 0.9])}, {"name": "t"})
+    assert "### Time to quality at other targets" in text and "| wikitext2 | fast | 1.00x | 0.78x |" in text
+
+
+@pytest.mark.parametrize("shares", [[0.5, 0], [1.2], ["x"], [True]])
+def test_bad_other_shares_are_refused_before_any_run(shares: list[Any]) -> None:
+    bench = {"studies": ["quality"], "quality": {"model": "tiny", "tasks": ["pydoc"], "seed": 0, "steps": 2,
+                                                  "other_shares": shares, "arms": {"full": {"overrides": []}}}}
+    with pytest.raises(ValueError, match="other_shares must be shares in"):
+        validate(bench)

@@ -249,6 +249,15 @@ def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
                     str(r["eval_points"])] for r in rows]), ""]
 
 
+def _by_share_section(rows: Sequence[Row]) -> list[str]:
+    shares = sorted({share for r in rows for share in r["ratios"]})
+    return ["### Time to quality at other targets", "",
+            "Ratio to full backprop's time to reach each share of its improvement (the same curves and step "
+            "times; -: not reached in the run).", "",
+            table(["task", "arm", *(f"{100 * s:.0f}%" for s in shares)],
+                  [[r["task"], r["arm"], *(_f(r["ratios"].get(s), ".2f", "x") for s in shares)] for r in rows]), ""]
+
+
 def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """``results.md``: every study's tables, time to quality first."""
     out = [f"# LCSB benchmark: {meta.get('name', '')}", "",
@@ -256,6 +265,8 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
            f"Date: {meta.get('date', '')}", ""]
     if tables.get("time_to_quality"):
         out += _time_to_quality_section(tables["time_to_quality"])
+    if tables.get("time_to_quality_by_share"):
+        out += _by_share_section(tables["time_to_quality_by_share"])
     recipe = tables.get("recipe_speed") or []
     if recipe:
         phase_names = [p for p in ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between",

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
-from lcsb_lightning.bench.time_to_quality import time_to_quality_rows
+from lcsb_lightning.bench.time_to_quality import ratios_by_share, time_to_quality_rows
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
     recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
@@ -61,6 +61,9 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     share = (bench.get("quality") or {}).get("target_share", 0.9)
     if "quality" in arms and not (isinstance(share, (int, float)) and 0 < share <= 1):
         raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
+    others = (bench.get("quality") or {}).get("other_shares") or []
+    if "quality" in arms and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s <= 1 for s in others):
+        raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
     return arms
 
 
@@ -261,9 +264,10 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
         tables["recipe_speed"] = report.recipe_speed_rows(res)
     if tables.get("_quality_raw"):
-        tables["time_to_quality"] = time_to_quality_rows(
-            tables["_quality_raw"], report.step_seconds(tables.get("recipe_speed") or []),
-            float((bench.get("quality") or {}).get("target_share", 0.9)))
+        q, seconds = bench.get("quality") or {}, report.step_seconds(tables.get("recipe_speed") or [])
+        tables["time_to_quality"] = time_to_quality_rows(tables["_quality_raw"], seconds, float(q.get("target_share", 0.9)))
+        if q.get("other_shares"):
+            tables["time_to_quality_by_share"] = ratios_by_share(tables["_quality_raw"], seconds, list(q["other_shares"]))
     if "speed" in arms:
         shapes = list(dict.fromkeys(a.labels["shape"] for a in arms["speed"]))
         timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}

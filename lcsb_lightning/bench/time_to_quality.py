@@ -115,3 +115,28 @@ def time_to_quality_rows(
             "eval_points": len(curve),
         })
     return rows
+
+
+def ratios_by_share(
+    results: Sequence[Mapping[str, Any]],
+    step_seconds: Mapping[tuple[str, str], float] | None,
+    shares: Sequence[float],
+) -> list[Row]:
+    """Per task x arm, the time-to-quality ratio to full backprop at each target share (``None``: the arm
+    never reaches it); a curve that wins at a low target and loses at a high one shows both.
+
+    Example::
+
+        >>> full = {"name": "f", "labels": {"task": "t", "arm": "full"}, "baseline": None, "curves": {},
+        ...         "eval_at_steps": {"0": {"val/loss": 4.0}, "10": {"val/loss": 3.0}, "20": {"val/loss": 2.0}}}
+        >>> fast = {**full, "name": "s", "labels": {"task": "t", "arm": "fast"}, "baseline": "f",
+        ...         "eval_at_steps": {"0": {"val/loss": 4.0}, "10": {"val/loss": 3.0}, "20": {"val/loss": 2.5}}}
+        >>> [r["ratios"] for r in ratios_by_share([full, fast], {("t", "full"): 2.0, ("t", "fast"): 1.0}, [0.5, 0.9])]
+        [{0.5: 1.0, 0.9: 1.0}, {0.5: 0.5, 0.9: None}]
+    """
+    rows: dict[tuple[str, str], Row] = {}
+    for share in shares:
+        for r in time_to_quality_rows(results, step_seconds, share):
+            row = rows.setdefault((r["task"], r["arm"]), {"task": r["task"], "arm": r["arm"], "ratios": {}})
+            row["ratios"][share] = r["ratio_to_full"]
+    return list(rows.values())
