@@ -83,7 +83,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("short", {"quality": 6, "stability": 12}),
     ("standard", {"recipe_speed": 3, "quality": 21}),
     ("ablation", {"ablation": 16}),
-    ("time_to_quality", {"recipe_speed": 3, "quality": 36}),
+    ("time_to_quality", {"recipe_speed": 3, "quality": 39}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),
 ])
 def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:

@@ -107,6 +107,23 @@ def test_full_and_freeze() -> None:
     assert {freeze.select(t) for t in range(10)} == {(3, 4)}
 
 
+@pytest.mark.parametrize(("full_after", "switch_every", "depths"), [
+    (None, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1]),
+    (3, 1, [8, 1, 2, 8, 8, 8, 8, 8, 8, 8]),
+    (0, 1, [8] * 10),
+    (3, 2, [8, 8, 1, 1, 8, 8, 8, 8, 8, 8]),  # from the first round that starts at step 3 or later
+])
+def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | None, switch_every: int,
+                                                             depths: list[int]) -> None:
+    policy = build_policy("dyadic", full_after=full_after, switch_every=switch_every)
+    policy.setup(num_blocks=8)
+    assert [len(policy.select(t)) for t in range(10)] == depths
+    resumed = build_policy("dyadic", full_after=full_after, switch_every=switch_every)
+    resumed.setup(num_blocks=8)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.select(10) == policy.select(10)
+
+
 def test_registry_lists_every_policy() -> None:
     assert available_policies() == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "random"]
 
@@ -123,6 +140,8 @@ def test_registry_lists_every_policy() -> None:
         (lambda: CyclicPolicy(layers_per_step=1, switch_every=0), "`switch_every` must be an integer >= 1"),
         (lambda: GradNormPolicy(layers_per_step=1, ema_decay=1.0), "`ema_decay` must be in \\[0, 1\\)"),
         (lambda: CyclicPolicy(layers_per_step=9).setup(8), "`layers_per_step=9` exceeds the model's 8 blocks; allowed: 1..8"),
+        (lambda: build_policy("dyadic", full_after=-1), "`full_after` must be None or an optimizer step >= 0, got -1"),
+        (lambda: build_policy("dyadic", full_after=2.5), "`full_after` must be None or an optimizer step >= 0, got 2.5"),
     ],
 )
 def test_policy_errors(factory, match: str) -> None:

@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from lcsb_lightning.bench.time_to_quality import StepTime, elapsed  # noqa: E402
+
 DPI = 80
 
 
@@ -28,7 +30,7 @@ def _label(r: Mapping[str, Any]) -> str:
     return lab["arm"] + (" (equal wall-clock)" if lab.get("run") == "wallclock" else "")
 
 
-def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tuple[str, str], float], path: Path,
+def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tuple[str, str], StepTime], path: Path,
                 targets: Mapping[str, float] | None = None) -> Path:
     """Eval loss by step and by training wall-clock, one row per task, with each task's time-to-quality
     target (``targets``: task -> eval loss) as a dotted line.
@@ -49,7 +51,7 @@ def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tupl
             colors.setdefault(arm, line.get_color())
             per_step = step_seconds.get((task, arm))
             if per_step is not None:
-                seconds = [s * per_step for s, _ in evals]
+                seconds = [elapsed(per_step, s) for s, _ in evals]
             else:
                 timed = dict(zip(r["curves"]["steps"], r["curves"]["train_seconds"]))
                 seconds = [timed.get(s, 0.0) for s, _ in evals]

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
-from lcsb_lightning.bench.time_to_quality import ratios_by_share, time_to_quality_rows
+from lcsb_lightning.bench.time_to_quality import StepTime, phased_step_times, ratios_by_share, time_to_quality_rows
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
     recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
@@ -64,7 +64,27 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     others = (bench.get("quality") or {}).get("other_shares") or []
     if "quality" in arms and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s <= 1 for s in others):
         raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
+    if "quality" in arms:
+        _check_timed_as(bench["quality"].get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
     return arms
+
+
+def _check_timed_as(arms: Mapping[str, Any], timed_arms: Mapping[str, Any]) -> None:
+    for name, arm in arms.items():
+        phases = arm.get("timed_as")
+        if phases is None:
+            continue
+        shape_ok = isinstance(phases, Sequence) and not isinstance(phases, str) and len(phases) >= 1 and all(
+            isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 for p in phases)
+        steps = [p[1] for p in phases] if shape_ok else []
+        if not shape_ok or steps[-1] is not None or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in steps[:-1]):
+            raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, steps], ..., [arm, null]] with "
+                             f"steps >= 1 (the last phase open-ended), got {phases!r}")
+        unknown = [p[0] for p in phases if p[0] not in timed_arms]
+        if unknown:
+            raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {unknown}, which the recipe_speed study does "
+                             f"not time; allowed: {sorted(timed_arms)}")
 
 
 def machine() -> str:
@@ -250,6 +270,13 @@ RUNNERS: dict[str, Callable[..., None]] = {
 }
 
 
+def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tuple[str, str], StepTime]:
+    """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``."""
+    seconds: dict[tuple[str, str], StepTime] = dict(report.step_seconds(tables.get("recipe_speed") or []))
+    seconds.update(phased_step_times((bench.get("quality") or {}).get("arms") or {}, report.step_seconds(tables.get("recipe_speed") or [])))
+    return seconds
+
+
 def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, Any]) -> dict[str, Any]:
     """Tables from every finished arm (missing arms are left out)."""
     tables: dict[str, Any] = {}
@@ -264,7 +291,7 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
         tables["recipe_speed"] = report.recipe_speed_rows(res)
     if tables.get("_quality_raw"):
-        q, seconds = bench.get("quality") or {}, report.step_seconds(tables.get("recipe_speed") or [])
+        q, seconds = bench.get("quality") or {}, dict(step_times(tables, bench))
         tables["time_to_quality"] = time_to_quality_rows(tables["_quality_raw"], seconds, float(q.get("target_share", 0.9)))
         if q.get("other_shares"):
             tables["time_to_quality_by_share"] = ratios_by_share(tables["_quality_raw"], seconds, list(q["other_shares"]))
@@ -285,7 +312,7 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
 def make_plots(root: Path, tables: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
     """Draw every plot the tables allow; returns their paths relative to ``root``."""
     out: list[Path] = []
-    step_seconds = report.step_seconds(tables.get("recipe_speed") or [])
+    step_seconds = step_times(tables, bench)
     for study in FINETUNE_STUDIES:
         raw = tables.get(f"_{study}_raw")
         if raw:

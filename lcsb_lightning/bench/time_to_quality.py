@@ -13,13 +13,62 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Row = dict[str, Any]
 Point = tuple[int, float, float]  # (step, train seconds, eval loss)
 
 
-def eval_curve(result: Mapping[str, Any], per_step: float | None = None) -> list[Point]:
+@dataclass(frozen=True)
+class PhasedStepTime:
+    """The training wall-clock of an arm whose step changes during the run (``DyadicPolicy(full_after=S)``):
+    ``phases`` are ``(steps, seconds per step)`` in order, the last one open-ended (``steps=None``).
+
+    Example::
+
+        >>> PhasedStepTime(((60, 1.8), (None, 3.5))).seconds(100)
+        248.0
+    """
+
+    phases: tuple[tuple[int | None, float], ...]
+
+    def seconds(self, steps: float) -> float:
+        total, left = 0.0, float(steps)
+        for length, per_step in self.phases:
+            part = left if length is None else min(left, float(length))
+            total, left = total + part * per_step, left - part
+            if left <= 0:
+                break
+        return total
+
+
+StepTime = float | PhasedStepTime
+
+
+def elapsed(per_step: StepTime, steps: float) -> float:
+    """Training seconds after ``steps`` optimizer steps at ``per_step`` (seconds, or a phased step time)."""
+    return per_step.seconds(steps) if isinstance(per_step, PhasedStepTime) else steps * per_step
+
+
+def phased_step_times(arms: Mapping[str, Mapping[str, Any]],
+                      step_seconds: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], PhasedStepTime]:
+    """``(task, arm) -> PhasedStepTime`` for every quality arm with ``timed_as: [[arm, steps], ..., [arm, null]]``:
+    its steps cost, phase by phase, the recipe-loop step time of the named arms (tasks lacking one are left out)."""
+    out: dict[tuple[str, str], PhasedStepTime] = {}
+    tasks = {task for task, _ in step_seconds}
+    for name, arm in arms.items():
+        phases = arm.get("timed_as")
+        if not phases:
+            continue
+        for task in tasks:
+            if all((task, phase_arm) in step_seconds for phase_arm, _ in phases):
+                out[(task, name)] = PhasedStepTime(tuple(
+                    (None if steps is None else int(steps), step_seconds[(task, phase_arm)]) for phase_arm, steps in phases))
+    return out
+
+
+def eval_curve(result: Mapping[str, Any], per_step: StepTime | None = None) -> list[Point]:
     """``(step, train seconds, eval loss)`` of every evaluation of a run, by step (step 0 included).
 
     Without ``per_step`` the seconds are the run's own: the recorder's train time at each mid-run
@@ -35,7 +84,7 @@ def eval_curve(result: Mapping[str, Any], per_step: float | None = None) -> list
         step = int(step_text)
         if loss is None or (per_step is None and step not in recorded):
             continue
-        points.append((step, step * per_step if per_step is not None else recorded[step], float(loss)))
+        points.append((step, elapsed(per_step, step) if per_step is not None else recorded[step], float(loss)))
     return sorted(points)
 
 
@@ -69,7 +118,7 @@ def loss_at(curve: Sequence[Point], seconds: float) -> float | None:
 
 def time_to_quality_rows(
     results: Sequence[Mapping[str, Any]],
-    step_seconds: Mapping[tuple[str, str], float] | None = None,
+    step_seconds: Mapping[tuple[str, str], StepTime] | None = None,
     share: float = 0.9,
 ) -> list[Row]:
     """One row per task x arm (equal-steps runs): when it reaches ``share`` of full backprop's improvement,
@@ -104,7 +153,7 @@ def time_to_quality_rows(
         rows.append({
             "task": task, "arm": arm, "baseline": base["labels"]["arm"], "share": share,
             "initial_loss": initial, "target_loss": target, "final_loss": curve[-1][2], "steps": curve[-1][0],
-            "seconds_per_step": step_seconds.get((task, arm)),
+            "seconds_per_step": _mean_step_seconds(step_seconds.get((task, arm)), curve[-1][0]),
             "reach_step": None if arm_reach is None else arm_reach[0],
             "reach_seconds": None if arm_reach is None else arm_reach[1],
             "ratio_to_full": (arm_reach[1] / base_reach[1]) if arm_reach and base_reach and base_reach[1] > 0 else None,
@@ -117,9 +166,13 @@ def time_to_quality_rows(
     return rows
 
 
+def _mean_step_seconds(per_step: StepTime | None, steps: int) -> float | None:
+    return None if per_step is None or steps <= 0 else elapsed(per_step, steps) / steps
+
+
 def ratios_by_share(
     results: Sequence[Mapping[str, Any]],
-    step_seconds: Mapping[tuple[str, str], float] | None,
+    step_seconds: Mapping[tuple[str, str], StepTime] | None,
     shares: Sequence[float],
 ) -> list[Row]:
     """Per task x arm, the time-to-quality ratio to full backprop at each target share (``None``: the arm

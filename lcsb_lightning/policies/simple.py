@@ -66,6 +66,10 @@ class DyadicPolicy(SelectionPolicy):
 
     Args:
         levels: ``L``, the number of depths (``L = 4``: N/8, N/4, N/2 and N).
+        full_after: From this optimizer step on, every block trains (full backprop); ``None``: never.
+            The cheap shallow steps make the early, fast part of the loss curve sooner, full steps the
+            slow, late part, where a shallow step learns too little for its cost. With ``switch_every > 1``:
+            from the first round that starts at or after it.
 
     Example::
 
@@ -73,21 +77,34 @@ class DyadicPolicy(SelectionPolicy):
         >>> policy.setup(num_blocks=8)
         >>> [len(policy.select(t)) for t in range(8)]
         [8, 2, 4, 2, 8, 2, 4, 2]
+        >>> policy = DyadicPolicy(levels=3, full_after=5)
+        >>> policy.setup(num_blocks=8)
+        >>> [len(policy.select(t)) for t in range(8)]
+        [8, 2, 4, 2, 8, 8, 8, 8]
     """
 
     needs_size = False
 
-    def __init__(self, *args: Any, levels: int = 4, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, levels: int = 4, full_after: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if isinstance(levels, bool) or int(levels) != levels or levels < 1:
             raise ValueError(f"`levels` must be an integer >= 1, got {levels!r}.")
+        if full_after is not None and (isinstance(full_after, bool) or int(full_after) != full_after or full_after < 0):
+            raise ValueError(f"`full_after` must be None or an optimizer step >= 0, got {full_after!r}.")
         self.levels = int(levels)
+        self.full_after = None if full_after is None else int(full_after)
 
     def __repr__(self) -> str:
-        depths = f", depths={[len(self._choose(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
-        return f"DyadicPolicy(levels={self.levels}{depths}, switch_every={self.switch_every})"
+        depths = f", depths={[len(self._ruler(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
+        then = f", full_after={self.full_after}" if self.full_after is not None else ""
+        return f"DyadicPolicy(levels={self.levels}{depths}{then}, switch_every={self.switch_every})"
 
     def _choose(self, round_index: int) -> list[int]:
+        if self.full_after is not None and round_index * self.switch_every >= self.full_after:
+            return list(range(self.num_blocks))
+        return self._ruler(round_index)
+
+    def _ruler(self, round_index: int) -> list[int]:
         period = 2 ** (self.levels - 1)
         position = round_index % period
         halvings = (position & -position).bit_length() - 1 if position else self.levels - 1
