@@ -272,9 +272,8 @@ RUNNERS: dict[str, Callable[..., None]] = {
 
 def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tuple[str, str], StepTime]:
     """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``."""
-    seconds: dict[tuple[str, str], StepTime] = dict(report.step_seconds(tables.get("recipe_speed") or []))
-    seconds.update(phased_step_times((bench.get("quality") or {}).get("arms") or {}, report.step_seconds(tables.get("recipe_speed") or [])))
-    return seconds
+    medians = report.step_seconds(tables.get("recipe_speed") or [])
+    return {**medians, **phased_step_times((bench.get("quality") or {}).get("arms") or {}, medians)}
 
 
 def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, Any]) -> dict[str, Any]:
