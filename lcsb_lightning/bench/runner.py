@@ -290,7 +290,7 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
         tables["recipe_speed"] = report.recipe_speed_rows(res)
     if tables.get("_quality_raw"):
-        q, seconds = bench.get("quality") or {}, dict(step_times(tables, bench))
+        q, seconds = bench.get("quality") or {}, step_times(tables, bench)
         tables["time_to_quality"] = time_to_quality_rows(tables["_quality_raw"], seconds, float(q.get("target_share", 0.9)))
         if q.get("other_shares"):
             tables["time_to_quality_by_share"] = ratios_by_share(tables["_quality_raw"], seconds, list(q["other_shares"]))
