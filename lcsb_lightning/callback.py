@@ -88,6 +88,12 @@ class LCSBCallback(Callback):
             ``sqrt(P)``, ``P`` the steps per selection of that block so far. With AdamW and implicit
             momentum a block trained every P-th step otherwise moves ``1/sqrt(P)`` as far as under full
             backprop (dyadic's bottom half: 35%). Needs ``momentum="implicit"``.
+        momentum_below: what a step whose backward does not reach them does to the trainable tensors
+            below the first block (an untied input embedding, trainable as peft's ``modules_to_save``):
+            ``"implicit"`` (a zero gradient: AdamW keeps moving them, and updates every weight of the
+            embedding at every step), ``"skip"`` (no gradient: the optimizer leaves them alone until a
+            backward reaches them again) or ``None``, as ``momentum``. An embedding tied to the head
+            gets the head's gradient at every step either way.
 
     Multiple processes: every rank selects the same blocks (the policy state is seeded and the
     gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets
@@ -116,8 +122,9 @@ class LCSBCallback(Callback):
         log_every_n_steps: int = 50,
         probe_every: int = 0,
         update_scale: str = "none",
+        momentum_below: str | None = None,
     ) -> None:
-        backward = validate_modes(backward, momentum, update_scale)
+        backward = validate_modes(backward, momentum, update_scale, momentum_below)
         for name, value in (("log_every_n_steps", log_every_n_steps), ("probe_every", probe_every)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
@@ -137,6 +144,7 @@ class LCSBCallback(Callback):
         else:
             raise TypeError(f"`policy` must be a name or a SelectionPolicy, got {type(policy).__name__}.")
         self.backward, self.momentum, self.blocks, self.update_scale = backward, momentum, blocks, update_scale
+        self.momentum_below = momentum_below
         self.log_every_n_steps = int(log_every_n_steps)
         self.probe_every = int(probe_every)
         self.probe_results: deque[ProbeResult] = deque(maxlen=_PROBES_KEPT)
@@ -174,7 +182,7 @@ class LCSBCallback(Callback):
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(
-            pl_module, self.policy, self.backward, self.momentum, self.blocks, self.update_scale
+            pl_module, self.policy, self.backward, self.momentum, self.blocks, self.update_scale, self.momentum_below
         )
         self._history = []
         try:
@@ -203,7 +211,8 @@ class LCSBCallback(Callback):
             rank_zero_info(
                 f"LCSB: {len(outside)} trainable parameters lie outside the blocks (e.g. {', '.join(outside[:3])}): "
                 "those below the first block (an input embedding) train on the steps whose backward reaches "
-                "them, those above it (the head, the final norm) at every step."
+                f"them (on the others: momentum_below={self.controller.momentum_below}), those above it (the head, "
+                "the final norm) at every step."
             )
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "

@@ -16,11 +16,14 @@ from lcsb_lightning.selective import SelectiveBackprop, normalize_backward
 
 BACKWARD_MODES = ("identity", "selected_only", "all_reached")
 MOMENTUM_MODES = ("implicit", "skip", "reset")
+#: what ``momentum_below`` may do to a trainable tensor below the blocks (it has no "selection" to leave)
+MOMENTUM_BELOW_MODES = ("implicit", "skip")
 UPDATE_SCALES = ("none", "sqrt_period")
 
 
-def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> str:
-    """Raise if ``backward``, ``momentum`` or ``update_scale`` is not a supported mode name (or they clash).
+def validate_modes(backward: str, momentum: str, update_scale: str = "none", momentum_below: str | None = None) -> str:
+    """Raise if ``backward``, ``momentum``, ``update_scale`` or ``momentum_below`` is not a supported mode
+    name (or they clash).
 
     Returns:
         ``backward`` under its current name (see :func:`normalize_backward`).
@@ -30,6 +33,11 @@ def validate_modes(backward: str, momentum: str, update_scale: str = "none") -> 
         raise ValueError(f"`backward={backward!r}` is not supported; allowed: {', '.join(BACKWARD_MODES)}.")
     if momentum not in MOMENTUM_MODES:
         raise ValueError(f"`momentum={momentum!r}` is not supported; allowed: {', '.join(MOMENTUM_MODES)}.")
+    if momentum_below is not None and momentum_below not in MOMENTUM_BELOW_MODES:
+        raise ValueError(
+            f"`momentum_below={momentum_below!r}` is not supported; allowed: {', '.join(MOMENTUM_BELOW_MODES)} "
+            "or None (as `momentum`)."
+        )
     if update_scale not in UPDATE_SCALES:
         raise ValueError(f"`update_scale={update_scale!r}` is not supported; allowed: {', '.join(UPDATE_SCALES)}.")
     if update_scale != "none" and momentum != "implicit":
@@ -74,9 +82,11 @@ class LCSBController:
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
         update_scale: str = "none",
+        momentum_below: str | None = None,
     ) -> None:
-        backward = validate_modes(backward, momentum, update_scale)
+        backward = validate_modes(backward, momentum, update_scale, momentum_below)
         self.policy, self.backward, self.momentum, self.update_scale = policy, backward, momentum, update_scale
+        self.momentum_below = momentum if momentum_below is None else momentum_below
         self.block_params: BlockParams = map_trainable_params(model, blocks)
         policy.setup(self.block_params.num_blocks)
         self.selection: tuple[int, ...] = ()
@@ -133,7 +143,9 @@ class LCSBController:
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Feed the policy the selected blocks' gradient norms (once per step; returned, else ``None``),
-        then leave non-selected parameters a zero gradient (``implicit``) or none (``skip``/``reset``)."""
+        then leave non-selected parameters a zero gradient (``implicit``) or none (``skip``/``reset``), and
+        the trainable tensors below the blocks, on a step whose backward does not reach them, what
+        ``momentum_below`` says."""
         norms = None
         if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
             self.observed_at_step = self.selected_at_step
@@ -151,13 +163,15 @@ class LCSBController:
             [p for p in self.selective.params_below if id(p) not in self._shared_param_ids]
             if self.selective is not None and not self.selective.reaches_below else []
         )
+        below_index = self.num_blocks
         for index, params in enumerate([*self.block_params.params_per_block, below]):
             if index in chosen:
                 continue
+            momentum = self.momentum_below if index == below_index else self.momentum
             for p in params:
                 if id(p) not in in_optimizer:
                     continue
-                if self.momentum != "implicit":
+                if momentum != "implicit":
                     p.grad = None
                 elif p.grad is None:
                     p.grad = torch.zeros_like(p)

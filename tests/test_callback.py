@@ -76,6 +76,31 @@ def test_trains_peft_llama_in_an_ordinary_lightning_module() -> None:
     assert lora and all(p.requires_grad for p in lora)
 
 
+class EmbeddingRecorder(Callback):
+    def __init__(self) -> None:
+        self.snapshots: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.snapshots.append(pl_module.model.get_input_embeddings().weight.detach().clone())
+
+
+@pytest.mark.parametrize(("momentum_below", "moves_on_steps_that_miss_it"), [(None, True), ("skip", False)])
+def test_momentum_below_decides_whether_an_embedding_moves_on_steps_that_do_not_reach_it(
+    momentum_below: str | None, moves_on_steps_that_miss_it: bool
+) -> None:
+    backbone = tiny_llama_peft(num_layers=4)
+    backbone.get_input_embeddings().weight.requires_grad_(True)
+    model = TokenLM(backbone, lr=5e-3)
+    lcsb = LCSBCallback("cyclic", layers_per_step=2, momentum_below=momentum_below, log_every_n_steps=0)
+    recorder = EmbeddingRecorder()
+    trainer = quiet_trainer(max_steps=4, callbacks=[lcsb, recorder])
+    trainer.fit(model, token_batches(num_batches=4, seq=16))
+    assert lcsb.controller.momentum_below == (momentum_below or "implicit")
+    moved = [not torch.equal(a, b) for a, b in zip(recorder.snapshots, recorder.snapshots[1:])]
+    # steps 0 and 2 select blocks (0, 1) and reach the embedding; steps 1 and 3 select (2, 3) only
+    assert moved == [moves_on_steps_that_miss_it, True, moves_on_steps_that_miss_it]
+
+
 def test_defaults_are_dyadic_with_the_all_reached_backward(residual_net) -> None:
     lcsb = LCSBCallback(log_every_n_steps=0)
     assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "all_reached"
@@ -138,6 +163,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
         (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, freeze, full, grad_norm, random\.$"),
         (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(layers_per_step=1, momentum="adam"), ValueError, r"`momentum='adam'` is not supported; allowed: implicit, skip, reset\.$"),
+        (dict(momentum_below="reset"), ValueError, r"`momentum_below='reset'` is not supported; allowed: implicit, skip or None \(as `momentum`\)\.$"),
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
         (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
         (dict(layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),

@@ -175,27 +175,46 @@ def test_input_that_requires_grad_gets_no_gradient_below_the_selection() -> None
     assert embeds.grad is None
 
 
-@pytest.mark.parametrize("momentum", ["implicit", "skip"])
-def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not_reach_it(momentum: str) -> None:
+@pytest.mark.parametrize(
+    ("momentum", "momentum_below", "embedding_gets", "block_gets"),
+    [
+        ("implicit", None, "zeros", "zeros"),
+        ("skip", None, "nothing", "nothing"),
+        ("reset", None, "nothing", "nothing"),
+        ("implicit", "skip", "nothing", "zeros"),
+        ("skip", "implicit", "zeros", "nothing"),
+    ],
+)
+def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not_reach_it(
+    momentum: str, momentum_below: str | None, embedding_gets: str, block_gets: str
+) -> None:
     model = _trainable_embedding()
     embedding = model.get_input_embeddings().weight
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", momentum=momentum)
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", momentum=momentum,
+                                momentum_below=momentum_below)
+    lowest_block_lora = controller.block_params.params_per_block[0][0]
     try:
         assert controller.begin_step(0, [optimizer]) == (0, 1)  # reaches the embedding
         _loss(model).backward()
         controller.before_optimizer_step(optimizer)
         assert embedding.grad is not None and embedding.grad.any()
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         assert controller.begin_step(1, [optimizer]) == (2, 3)
         _loss(model).backward()
         assert embedding.grad is not None and not embedding.grad.any()  # exact zeros: plain DDP is served
         assert controller.selective is not None and [id(p) for p in controller.selective.params_below] == [id(embedding)]
         controller.before_optimizer_step(optimizer)
-        if momentum == "implicit":
-            assert embedding.grad is not None and not embedding.grad.any()
-        else:
-            assert embedding.grad is None
+        for tensor, gets in ((embedding, embedding_gets), (lowest_block_lora, block_gets)):
+            if gets == "zeros":
+                assert tensor.grad is not None and not tensor.grad.any()
+            else:
+                assert tensor.grad is None
+        before = embedding.detach().clone()
+        optimizer.step()
+        # implicit: AdamW's momentum moves it (and touches every weight); skip: the optimizer leaves it alone
+        assert torch.equal(embedding, before) == (embedding_gets == "nothing")
     finally:
         controller.release()
 

@@ -185,6 +185,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("lcsb.backward=approx", "lcsb: `backward='approx'` is not supported; allowed: identity, selected_only, all_reached"),
     ("lcsb.momentum=adam", "lcsb: `momentum='adam'` is not supported; allowed: implicit, skip, reset"),
     ("lcsb.update_scale=sqrt", "lcsb: `update_scale='sqrt'` is not supported; allowed: none, sqrt_period"),
+    ("lcsb.momentum_below=reset", "lcsb: `momentum_below='reset'` is not supported; allowed: implicit, skip"),
     ("lcsb.probe_every=-1", "lcsb: `probe_every` must be an integer >= 0, got -1"),
     ("mebp=int4 mebp.fmt=q4_k", "mebp: `fmt='q4_k'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
     ("mebp=int4 mebp.weights=disk", "mebp: `weights='disk'` is not supported; choose one of 'ram', 'mmap'"),

@@ -120,6 +120,7 @@ class LCSBConfig:
     log_every_n_steps: int = MISSING
     probe_every: int = MISSING
     update_scale: str = MISSING
+    momentum_below: Optional[str] = None
 
 
 def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
