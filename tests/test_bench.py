@@ -288,3 +288,42 @@ def test_report_only_runs_nothing(tmp_path: Path) -> None:
 
     tables = run_benchmark(bench, tmp_path, compose_stub, command="test")
     assert tables["stability"] == [] and (tmp_path / "results.md").is_file()
+
+
+def _timed(tmp_path: Path, task: str, seconds: dict[str, float]) -> None:
+    folder = tmp_path / "recipe_speed" / task
+    folder.mkdir(parents=True)
+    arms = {name: {"total": s} for name, s in seconds.items()}
+    (folder / "result.json").write_text(json.dumps({"labels": {"task": task}, "baseline": "full",
+                                                    "timing": {"arms": arms}}))
+
+
+@pytest.mark.parametrize(("arm", "quality_arm", "expected"), [
+    # a plain arm: steps x its speed-up (3.6 / 1.8 = 2)
+    ("dyadic", {"baseline": "full", "wallclock": True, "overrides": []}, 400),
+    # shallow for 60 steps, then full: 60 x 1.8 + n x 3.6 = 200 x 3.6 gives n = 170, 230 steps in all
+    ("hybrid", {"baseline": "full", "wallclock": True, "overrides": [], "timed_as": [["dyadic", 60], ["full", None]]}, 230),
+])
+def test_wallclock_steps_fill_the_baselines_time(tmp_path: Path, arm: str, quality_arm: dict, expected: int) -> None:
+    from lcsb_lightning.bench.runner import wallclock_steps
+    from lcsb_lightning.bench.spec import Arm
+
+    _timed(tmp_path, "t1", {"full": 3.6, "dyadic": 1.8})
+    bench = {"recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": [], "dyadic": []}},
+             "quality": {"arms": {arm: quality_arm}}}
+    wallclock = Arm("quality", f"t1__{arm}__wallclock", (), {"task": "t1", "arm": arm, "run": "wallclock"}, "t1__full",
+                    wallclock_of=f"t1__{arm}")
+    assert wallclock_steps(tmp_path, bench, wallclock, 200) == expected
+
+
+def test_wallclock_steps_of_a_phased_arm_need_its_phases_timed(tmp_path: Path) -> None:
+    from lcsb_lightning.bench.runner import wallclock_steps
+    from lcsb_lightning.bench.spec import Arm
+
+    _timed(tmp_path, "t1", {"full": 3.6})
+    bench = {"recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": []}},
+             "quality": {"arms": {"hybrid": {"timed_as": [["dyadic", 60], ["full", None]]}}}}
+    wallclock = Arm("quality", "t1__hybrid__wallclock", (), {"task": "t1", "arm": "hybrid", "run": "wallclock"},
+                    "t1__full", wallclock_of="t1__hybrid")
+    with pytest.raises(RuntimeError, match="needs the speed-up of 'dyadic', 'full' on 't1' from the recipe_speed study"):
+        wallclock_steps(tmp_path, bench, wallclock, 200)

@@ -130,3 +130,18 @@ def test_bad_timed_as_is_refused_before_any_run(timed_as: Any, match: str) -> No
                          "arms": {"full": {"overrides": []}, "switch": {"baseline": "full", "overrides": [], "timed_as": timed_as}}}}
     with pytest.raises(ValueError, match=match):
         validate(bench)
+
+
+@pytest.mark.parametrize(("phases", "seconds", "steps"), [
+    (((None, 2.0),), 10.0, 5.0),
+    (((60, 1.8), (None, 3.6)), 108.0, 60.0),        # exactly the first phase
+    (((60, 1.8), (None, 3.6)), 720.0, 230.0),       # into the open-ended one
+    (((10, 1.0), (10, 2.0), (None, 4.0)), 35.0, 21.25),
+    (((60, 1.8), (None, 3.6)), 0.0, 0.0),
+])
+def test_steps_within_inverts_seconds(phases: tuple, seconds: float, steps: float) -> None:
+    from lcsb_lightning.bench.time_to_quality import PhasedStepTime
+
+    timed = PhasedStepTime(phases)
+    assert timed.steps_within(seconds) == pytest.approx(steps)
+    assert timed.seconds(timed.steps_within(seconds)) == pytest.approx(seconds)

@@ -115,6 +115,36 @@ def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]
     return out
 
 
+def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) -> int:
+    """The steps an equal-wall-clock arm trains: as many as its step time pays for in the time the baseline
+    took for ``steps`` (a ``timed_as`` arm: phase by phase), and never fewer than ``steps``.
+
+    Raises:
+        RuntimeError: the recipe_speed study has not timed the arm (or the arms of its ``timed_as`` phases).
+    """
+    task, name = arm.labels["task"], arm.labels["arm"]
+    phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
+    fits: float | None = None
+    if phases:
+        r = bench.get("recipe_speed") or {}
+        rows = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
+        medians = report.step_seconds(rows)
+        per_step = phased_step_times({name: {"timed_as": phases}}, medians).get((task, name))
+        base = medians.get((task, r.get("baseline")))
+        if per_step is not None and base:
+            fits = per_step.steps_within(steps * base)
+    elif (factor := speedups(root, bench).get(task, {}).get(name)) is not None:
+        fits = steps * factor
+    if fits is None:
+        timed = [p[0] for p in phases] if phases else [name]
+        raise RuntimeError(
+            f"{arm.study} arm {arm.name} trains for its baseline's wall-clock time, which needs the speed-up "
+            f"of {', '.join(map(repr, timed))} on {task!r} from the recipe_speed study: add it to "
+            "benchmark.studies (before this study) with that task and arm"
+        )
+    return max(steps, round(fits))
+
+
 def evaluation_steps(run_steps: int, every: int, extra: Sequence[int] = ()) -> list[int]:
     """The steps a fine-tuning arm evaluates at: every ``every`` steps (0: none), the ``extra`` steps below
     ``run_steps`` (dense early evaluations, where a curve falls fastest), and the last step.
@@ -132,16 +162,7 @@ def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, c
                         bench: Mapping[str, Any]) -> None:
     steps, every = int(q["steps"]), int(q.get("eval_every") or 0)
     for arm in arms:
-        run_steps = steps
-        if arm.wallclock_of is not None:
-            factor = speedups(root, bench).get(arm.labels["task"], {}).get(arm.labels["arm"])
-            if factor is None:
-                raise RuntimeError(
-                    f"{arm.study} arm {arm.name} trains for its baseline's wall-clock time, which needs the speed-up "
-                    f"of {arm.labels['arm']!r} on {arm.labels['task']!r} from the recipe_speed study: add it to "
-                    "benchmark.studies (before this study) with that task and arm"
-                )
-            run_steps = max(steps, round(steps * factor))
+        run_steps = steps if arm.wallclock_of is None else wallclock_steps(root, bench, arm, steps)
         eval_steps = evaluation_steps(run_steps, every, q.get("extra_eval_steps") or ())
         cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
         expected = settings_hash(arm_settings(cfg, eval_steps))

@@ -29,9 +29,21 @@ class PhasedStepTime:
 
         >>> PhasedStepTime(((60, 1.8), (None, 3.5))).seconds(100)
         248.0
+        >>> PhasedStepTime(((60, 1.8), (None, 3.5))).steps_within(248.0)
+        100.0
     """
 
     phases: tuple[tuple[int | None, float], ...]
+
+    def steps_within(self, seconds: float) -> float:
+        """The (fractional) number of steps that ``seconds`` of training pays for: the inverse of :meth:`seconds`."""
+        steps, left = 0.0, float(seconds)
+        for length, per_step in self.phases:
+            part = left / per_step if length is None else min(left / per_step, float(length))
+            steps, left = steps + part, left - part * per_step
+            if left <= 0:
+                break
+        return steps
 
     def seconds(self, steps: float) -> float:
         total, left = 0.0, float(steps)
