@@ -90,10 +90,12 @@ class LCSBCallback(Callback):
             backprop (dyadic's bottom half: 35%). Needs ``momentum="implicit"``.
         momentum_below: what a step whose backward does not reach them does to the trainable tensors
             below the first block (an untied input embedding, trainable as peft's ``modules_to_save``):
-            ``"implicit"`` (a zero gradient: AdamW keeps moving them, and updates every weight of the
-            embedding at every step), ``"skip"`` (no gradient: the optimizer leaves them alone until a
-            backward reaches them again) or ``None``, as ``momentum``. An embedding tied to the head
-            gets the head's gradient at every step either way.
+            ``"skip"`` (the default: no gradient, so the optimizer leaves them alone until a backward
+            reaches them again), ``"implicit"`` (a zero gradient: AdamW keeps moving them, and updates
+            every weight of the embedding at every step) or ``None``, as ``momentum``. On the real
+            SmolLM2 with a trainable embedding both learn the same (eval loss 3.191 against 3.190 after
+            200 steps) and ``"skip"`` makes the step 1.28x cheaper (docs/results.md). An embedding tied
+            to the head gets the head's gradient at every step either way.
 
     Multiple processes: every rank selects the same blocks (the policy state is seeded and the
     gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets
@@ -122,7 +124,7 @@ class LCSBCallback(Callback):
         log_every_n_steps: int = 50,
         probe_every: int = 0,
         update_scale: str = "none",
-        momentum_below: str | None = None,
+        momentum_below: str | None = "skip",
     ) -> None:
         backward = validate_modes(backward, momentum, update_scale, momentum_below)
         for name, value in (("log_every_n_steps", log_every_n_steps), ("probe_every", probe_every)):

@@ -82,7 +82,7 @@ class LCSBController:
         momentum: str = "implicit",
         blocks: BlocksSpec = "auto",
         update_scale: str = "none",
-        momentum_below: str | None = None,
+        momentum_below: str | None = "skip",
     ) -> None:
         backward = validate_modes(backward, momentum, update_scale, momentum_below)
         self.policy, self.backward, self.momentum, self.update_scale = policy, backward, momentum, update_scale

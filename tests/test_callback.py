@@ -84,7 +84,7 @@ class EmbeddingRecorder(Callback):
         self.snapshots.append(pl_module.model.get_input_embeddings().weight.detach().clone())
 
 
-@pytest.mark.parametrize(("momentum_below", "moves_on_steps_that_miss_it"), [(None, True), ("skip", False)])
+@pytest.mark.parametrize(("momentum_below", "moves_on_steps_that_miss_it"), [(None, True), ("implicit", True), ("skip", False)])
 def test_momentum_below_decides_whether_an_embedding_moves_on_steps_that_do_not_reach_it(
     momentum_below: str | None, moves_on_steps_that_miss_it: bool
 ) -> None:
@@ -104,6 +104,7 @@ def test_momentum_below_decides_whether_an_embedding_moves_on_steps_that_do_not_
 def test_defaults_are_dyadic_with_the_all_reached_backward(residual_net) -> None:
     lcsb = LCSBCallback(log_every_n_steps=0)
     assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "all_reached"
+    assert lcsb.momentum == "implicit" and lcsb.momentum_below == "skip"
     recorder = _fit(TokenLM(residual_net(num_blocks=8)), lcsb, steps=8)
     assert [len(s) for s in recorder.selections] == [8, 1, 2, 1, 4, 1, 2, 1]  # N, N/8, N/4, N/8, N/2, ...
     assert all(s == tuple(range(8 - len(s), 8)) for s in recorder.selections)  # always the top blocks
