@@ -22,7 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
-from lcsb_lightning.bench.time_to_quality import StepTime, phased_step_times, ratios_by_share, time_to_quality_rows
+from lcsb_lightning.bench.time_to_quality import (
+    StepTime, phased_step_times, ratios_by_share, steps_within, time_to_quality_rows,
+)
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
     recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
@@ -116,33 +118,26 @@ def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]
 
 
 def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) -> int:
-    """The steps an equal-wall-clock arm trains: as many as its step time pays for in the time the baseline
-    took for ``steps`` (a ``timed_as`` arm: phase by phase), and never fewer than ``steps``.
+    """The steps an equal-wall-clock arm trains: as many as its step time (a ``timed_as`` arm's: phase by
+    phase) pays for in the time the baseline took for ``steps``, and never fewer than ``steps``.
 
     Raises:
         RuntimeError: the recipe_speed study has not timed the arm (or the arms of its ``timed_as`` phases).
     """
     task, name = arm.labels["task"], arm.labels["arm"]
-    phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
-    fits: float | None = None
-    if phases:
-        r = bench.get("recipe_speed") or {}
-        rows = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
-        medians = report.step_seconds(rows)
-        per_step = phased_step_times({name: {"timed_as": phases}}, medians).get((task, name))
-        base = medians.get((task, r.get("baseline")))
-        if per_step is not None and base:
-            fits = per_step.steps_within(steps * base)
-    elif (factor := speedups(root, bench).get(task, {}).get(name)) is not None:
-        fits = steps * factor
-    if fits is None:
-        timed = [p[0] for p in phases] if phases else [name]
+    r = bench.get("recipe_speed") or {}
+    timed = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
+    seconds = step_times({"recipe_speed": timed}, bench)
+    per_step, base = seconds.get((task, name)), seconds.get((task, r.get("baseline")))
+    if per_step is None or not isinstance(base, float):
+        phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
+        needed = [p[0] for p in phases] if phases else [name]
         raise RuntimeError(
             f"{arm.study} arm {arm.name} trains for its baseline's wall-clock time, which needs the speed-up "
-            f"of {', '.join(map(repr, timed))} on {task!r} from the recipe_speed study: add it to "
+            f"of {', '.join(map(repr, needed))} on {task!r} from the recipe_speed study: add it to "
             "benchmark.studies (before this study) with that task and arm"
         )
-    return max(steps, round(fits))
+    return max(steps, round(steps_within(per_step, steps * base)))
 
 
 def evaluation_steps(run_steps: int, every: int, extra: Sequence[int] = ()) -> list[int]:

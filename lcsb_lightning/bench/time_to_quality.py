@@ -63,6 +63,11 @@ def elapsed(per_step: StepTime, steps: float) -> float:
     return per_step.seconds(steps) if isinstance(per_step, PhasedStepTime) else steps * per_step
 
 
+def steps_within(per_step: StepTime, seconds: float) -> float:
+    """The (fractional) optimizer steps that ``seconds`` of training pay for: the inverse of :func:`elapsed`."""
+    return per_step.steps_within(seconds) if isinstance(per_step, PhasedStepTime) else seconds / per_step
+
+
 def phased_step_times(arms: Mapping[str, Mapping[str, Any]],
                       step_seconds: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], PhasedStepTime]:
     """``(task, arm) -> PhasedStepTime`` for every quality arm with ``timed_as: [[arm, steps], ..., [arm, null]]``:
