@@ -169,7 +169,7 @@ class LCSBController:
                 continue
             momentum = self.momentum_below if index == below_index else self.momentum
             for p in params:
-                if id(p) not in in_optimizer:
+                if id(p) not in in_optimizer or not p.requires_grad:  # frozen since fit start: no update at all
                     continue
                 if momentum != "implicit":
                     p.grad = None

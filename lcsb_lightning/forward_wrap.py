@@ -80,8 +80,9 @@ def forward_stack(module: nn.Module) -> ForwardStack | None:
     return found if isinstance(found, ForwardStack) else None
 
 
-def install_wrapper(module: nn.Module, wrapper: ForwardWrapper) -> ForwardStack:
-    """Add ``wrapper`` as the outermost wrapper of ``module``'s forward.
+def install_wrapper(module: nn.Module, wrapper: ForwardWrapper, innermost: bool = False) -> ForwardStack:
+    """Add ``wrapper`` as the outermost wrapper of ``module``'s forward (``innermost=True``: the innermost,
+    right above the forward found at install time, whatever was installed before or is installed later).
 
     Returns the stack the wrapper went into (keep it to remove the wrapper later).
 
@@ -109,7 +110,10 @@ def install_wrapper(module: nn.Module, wrapper: ForwardWrapper) -> ForwardStack:
         module.forward = stack  # type: ignore[method-assign]
     if any(existing.name == wrapper.name for existing in stack.wrappers):
         raise RuntimeError(f"{type(module).__name__} already has the forward wrapper {wrapper.name!r} installed.")
-    stack.wrappers.append(wrapper)
+    if innermost:
+        stack.wrappers.insert(0, wrapper)
+    else:
+        stack.wrappers.append(wrapper)
     return stack
 
 

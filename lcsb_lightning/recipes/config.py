@@ -177,6 +177,7 @@ class FinetuneConfig:
     mebp: Any = None
     logger: Any = None
     guard: Any = None
+    freeze: Any = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -200,6 +201,7 @@ class FinetuneConfig:
         if policy is not None:
             _build_check("lcsb", vars(self.lcsb) if self.lcsb is not None else None, policy=policy)
         _build_check("guard", self.guard)
+        _build_check("freeze", self.freeze)
         check_mebp(self.mebp)
 
 

@@ -132,7 +132,8 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 
 
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
-    """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), a step timer, throughput logging, the
+    """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
+    freezing (``freeze`` group), a step timer, throughput logging, the
     ``extra_callbacks``, resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
     checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
@@ -142,7 +143,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     """
     policy = _node(cfg, "policy")
     lcsb = _node(cfg, "lcsb", policy=policy) if policy is not None else None
-    callbacks: list[Any] = [cb for cb in (lcsb,) if cb is not None]
+    callbacks: list[Any] = [cb for cb in (lcsb, _node(cfg, "freeze")) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,

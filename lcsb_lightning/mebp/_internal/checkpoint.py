@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from lcsb_lightning.forward_wrap import get_wrapper, install_wrapper
 from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
+from lcsb_lightning.prefix_cache import is_frozen
 from lcsb_lightning.selective import cuts
 
 #: Name of QuantizedMeBP's wrapper in a block's forward stack.
@@ -69,7 +70,7 @@ class BlockCheckpoint:
         device = _first_device(args, kwargs)
         if self.release_heap and torch.is_grad_enabled() and device.type == "cpu":
             maybe_release_free_heap()
-        if not torch.is_grad_enabled() or cuts(self.block, args, kwargs):
+        if not torch.is_grad_enabled() or cuts(self.block, args, kwargs) or is_frozen(self.block):
             return inner(*args, **kwargs)
         context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()
         if not self.checkpoint_blocks:

@@ -1,0 +1,290 @@
+"""Plain-torch core of progressive freezing: the lowest blocks stop training and their output is reused.
+
+Once the ``k`` lowest blocks (and whatever lies below them, an input embedding) no longer change, the
+hidden states they hand block ``k`` depend on the example alone. :class:`FrozenPrefix` then runs them
+without a graph (their backward is gone), stores block ``k - 1``'s output per training example the first
+time it computes it, and from then on skips their forward too for every batch whose examples are all
+stored: block ``k`` receives the stored hidden states, bit for bit what the frozen blocks would compute.
+That is the AutoFreeze / Egeria idea for multi-epoch fine-tuning: the first epoch after a freeze pays
+the frozen blocks' forward, the later ones pay nothing for them.
+
+An example is known by its tokens: :meth:`FrozenPrefix.set_batch` hashes each row of ``input_ids``
+before the forward pass. A right-padded row (``attention_mask`` ones, then zeros) is stored without
+its padding and padded with zeros when it is replayed, so the same example batched with different
+neighbours (dynamic padding) still hits; the padding positions' hidden states reach no real position
+through a masked attention, and their labels are ignored. Evaluation (a block in ``eval()`` mode, or
+no batch set) always runs the blocks as they are.
+
+The prefix must really be frozen: the caller turns ``requires_grad`` off for its parameters and keeps
+the optimizer from moving them (:class:`~lcsb_lightning.freezing.ProgressiveFreezing` does both), and
+any dropout inside it should be off (a stored output is one sample of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
+from lcsb_lightning.selective import _hidden_input, _replace_hidden, _trainable_leaves, _uses_reentrant_checkpoint
+
+#: Name of the frozen-prefix wrapper in a block's forward stack.
+FROZEN_WRAPPER = "lcsb_frozen_prefix"
+
+
+@dataclass
+class CacheStats:
+    """Counters of a :class:`FrozenPrefix` (training batches only)."""
+
+    batches: int = 0
+    hits: int = 0
+    stored_examples: int = 0
+    stored_bytes: int = 0
+    dropped_examples: int = 0  # not stored: the cache was full
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.batches if self.batches else 0.0
+
+
+class _Row:
+    """One example of the current batch: its key and, for a right-padded row, its real length."""
+
+    __slots__ = ("key", "length")
+
+    def __init__(self, key: bytes, length: int | None) -> None:
+        self.key, self.length = key, length
+
+
+def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[_Row]:
+    ids = input_ids.detach().to("cpu")
+    mask = attention_mask.detach().to("cpu") if attention_mask is not None else None
+    rows = []
+    for j in range(ids.shape[0]):
+        length = None
+        if mask is not None:
+            real = int(mask[j].sum())
+            right_padded = bool(mask[j, :real].all()) and not bool(mask[j, real:].any())
+            length = real if right_padded else None
+        if length is not None:
+            payload = b"r" + ids[j, :length].numpy().tobytes()
+        else:  # the whole row, its mask and its length: only the same batch layout hits
+            payload = b"f" + ids[j].numpy().tobytes() + (mask[j].numpy().tobytes() if mask is not None else b"")
+        rows.append(_Row(hashlib.blake2b(payload, digest_size=16).digest(), length))
+    return rows
+
+
+class _Shared:
+    """What the wrappers of one :class:`FrozenPrefix` share."""
+
+    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int, dtype: torch.dtype | None) -> None:
+        self.blocks = list(blocks)
+        self.frozen = 0
+        self.max_bytes, self.dtype = max_bytes, dtype
+        self.rows: list[_Row] | None = None  # the current training batch; None: run the blocks as they are
+        self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
+        self.store: dict[bytes, torch.Tensor] = {}
+        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output: its type and what follows the hidden states
+        self.activation_dtype: torch.dtype | None = None
+        self.stats = CacheStats()
+        self.below: list[torch.Tensor] = []
+        self.disabled_reason: str | None = None
+
+    def active(self, index: int) -> bool:
+        return index < self.frozen and self.rows is not None and self.blocks[index].training
+
+    def rebuild_output(self, hidden: torch.Tensor) -> Any:
+        assert self.output_kind is not None
+        kind, rest = self.output_kind
+        return hidden if kind is torch.Tensor else kind((hidden, *rest))
+
+    def remember(self, output: Any) -> None:
+        """Store the rows of block ``frozen - 1``'s ``output`` that are not stored yet."""
+        hidden = output if isinstance(output, torch.Tensor) else output[0]
+        rest = () if isinstance(output, torch.Tensor) else tuple(output[1:])
+        if any(isinstance(item, torch.Tensor) for item in rest):
+            self.disable("a frozen block returns tensors besides its hidden states (attention weights or a KV cache)")
+            return
+        self.output_kind = (type(output), rest)
+        self.activation_dtype = hidden.dtype
+        assert self.rows is not None
+        for j, row in enumerate(self.rows):
+            if row.key in self.store:
+                continue
+            value = hidden[j] if row.length is None else hidden[j, : row.length]
+            value = value.detach().to(self.dtype or hidden.dtype, copy=True)
+            size = value.numel() * value.element_size()
+            if self.stats.stored_bytes + size > self.max_bytes:
+                self.stats.dropped_examples += 1
+                continue
+            self.store[row.key] = value
+            self.stats.stored_examples += 1
+            self.stats.stored_bytes += size
+
+    def disable(self, reason: str) -> None:
+        if self.disabled_reason is None:
+            warnings.warn(f"FrozenPrefix stores nothing: {reason}; the frozen blocks still run without a graph.",
+                          stacklevel=3)
+        self.disabled_reason = reason
+        self.max_bytes = 0
+        self.clear()
+
+    def clear(self) -> None:
+        self.store, self.hit = {}, None
+        self.stats.stored_examples = self.stats.stored_bytes = 0
+
+    def assemble(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The stored output of every row of the batch, padded to ``like``'s shape; None if one is missing."""
+        assert self.rows is not None
+        if not all(row.key in self.store for row in self.rows):
+            return None
+        out = torch.zeros(like.shape[0], like.shape[1], *self.store[self.rows[0].key].shape[1:],
+                          dtype=self.activation_dtype, device=like.device)
+        for j, row in enumerate(self.rows):
+            value = self.store[row.key]
+            out[j, : value.shape[0]] = value.to(device=like.device, dtype=self.activation_dtype)
+        return out
+
+
+class FrozenBlockForward:
+    """The frozen-prefix wrapper on one block (see the module docstring); innermost in its stack, so LCSB's
+    and QuantizedMeBP's wrappers above it keep their bookkeeping."""
+
+    name = FROZEN_WRAPPER
+    persistent = False
+
+    def __init__(self, shared: _Shared, index: int) -> None:
+        self.shared, self.index = shared, index
+
+    def frozen(self) -> bool:
+        return self.shared.active(self.index)
+
+    def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        shared = self.shared
+        if not shared.active(self.index):
+            return inner(*args, **kwargs)
+        last = self.index == shared.frozen - 1
+        hidden_in = _hidden_input(args, kwargs)
+        if self.index == 0 and hidden_in.grad_fn is not None and not shared.below:
+            shared.below = _trainable_leaves(hidden_in)
+        if shared.hit is None and self.index == 0:
+            shared.hit = shared.assemble(hidden_in)
+            shared.stats.batches += 1
+            shared.stats.hits += shared.hit is not None
+        if shared.hit is not None:
+            output = shared.rebuild_output(shared.hit if last else hidden_in.detach())
+        else:
+            with torch.no_grad():
+                output = inner(*args, **kwargs)
+            if last and shared.max_bytes > 0:
+                shared.remember(output)
+        if last and shared.frozen < len(shared.blocks) and _uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
+            # a reentrant checkpoint back-propagates only into inputs that require grad
+            output = _replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
+        return output
+
+
+class FrozenPrefix:
+    """Runs the ``frozen`` lowest of ``blocks`` without a graph and reuses their output per training example.
+
+    Args:
+        blocks: The transformer blocks, in order.
+        max_bytes: At most this much stored output (the examples beyond it are recomputed every time);
+            ``0`` stores nothing, and only the backward of the frozen blocks is saved.
+        dtype: Store the outputs in this dtype (``torch.bfloat16`` halves the memory; then a replay is no
+            longer bit-exact); ``None``: the activations' own.
+
+    Example::
+
+        >>> _ = torch.manual_seed(0)
+        >>> blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        >>> prefix = FrozenPrefix(blocks)
+        >>> prefix.freeze(2)
+        >>> tokens = torch.tensor([[1, 2, 3]])
+        >>> def forward():
+        ...     prefix.set_batch(tokens)
+        ...     h = torch.ones(1, 3, 4)
+        ...     for block in blocks:
+        ...         h = block(h)
+        ...     prefix.end_batch()
+        ...     return h
+        >>> first, second = forward(), forward()  # the second skips blocks 0 and 1
+        >>> bool(torch.equal(first, second)), prefix.stats.hits
+        (True, 1)
+        >>> prefix.remove()
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int = 2**31, dtype: torch.dtype | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"`max_bytes={max_bytes}` must be >= 0 (0: store nothing).")
+        self.blocks = list(blocks)
+        self.shared = _Shared(self.blocks, int(max_bytes), dtype)
+        self._stacks: list[ForwardStack] = []
+        try:
+            for index, block in enumerate(self.blocks):
+                if get_wrapper(block, FROZEN_WRAPPER) is not None:
+                    raise RuntimeError(f"{type(block).__name__} already has a frozen-prefix wrapper installed.")
+                self._stacks.append(install_wrapper(block, FrozenBlockForward(self.shared, index), innermost=True))
+        except BaseException:
+            self.remove()
+            raise
+
+    @property
+    def frozen(self) -> int:
+        """How many of the lowest blocks are frozen."""
+        return self.shared.frozen
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.shared.stats
+
+    @property
+    def params_below(self) -> list[torch.Tensor]:
+        """Trainable tensors found below the first block (an input embedding) by a frozen forward."""
+        return list(self.shared.below)
+
+    def freeze(self, num_blocks: int) -> None:
+        """Freeze the ``num_blocks`` lowest blocks (a change empties the store: it held another block's output)."""
+        if not 0 <= num_blocks <= len(self.blocks):
+            raise ValueError(f"`num_blocks={num_blocks}` is outside 0..{len(self.blocks)} (the model's blocks).")
+        if num_blocks != self.shared.frozen:
+            self.shared.clear()
+            self.shared.below = []
+        self.shared.frozen = num_blocks
+
+    def clear_store(self) -> None:
+        """Forget every stored output (they were computed with weights that have changed since)."""
+        self.shared.clear()
+
+    def set_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Name the examples of the training batch whose forward pass comes next (rows of ``input_ids``)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be (batch, sequence), got shape {tuple(input_ids.shape)}.")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}, `input_ids` "
+                             f"{tuple(input_ids.shape)}.")
+        self.shared.hit = None
+        self.shared.rows = _rows(input_ids, attention_mask) if self.shared.frozen else []
+
+    def end_batch(self) -> None:
+        """The training batch is done: the next forward passes (evaluation) run the blocks as they are."""
+        self.shared.rows, self.shared.hit = None, None
+
+    def remove(self) -> None:
+        """Remove the wrappers and the stored outputs (idempotent)."""
+        for block, stack in zip(self.blocks, self._stacks):
+            remove_wrapper(block, FROZEN_WRAPPER, stack)
+        self._stacks = []
+        self.shared.clear()
+
+
+def is_frozen(block: nn.Module) -> bool:
+    """Whether ``block`` runs frozen in the current training forward pass (False without a :class:`FrozenPrefix`)."""
+    wrapper = get_wrapper(block, FROZEN_WRAPPER)
+    return isinstance(wrapper, FrozenBlockForward) and wrapper.frozen()

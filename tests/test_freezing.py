@@ -1,0 +1,249 @@
+"""Progressive freezing: frozen blocks run without a graph, their stored outputs replay them exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lcsb_lightning import LCSBCallback
+from lcsb_lightning.blocks import find_blocks
+from lcsb_lightning.freezing import ProgressiveFreezing
+from lcsb_lightning.prefix_cache import FrozenPrefix
+from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
+
+NUM_BLOCKS = 4
+FROZEN = 2
+
+
+def _padded_batch(lengths: list[int], width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows of the given real lengths (pad id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for j, length in enumerate(lengths):
+        ids[j, :length] = torch.randint(1, 64, (length,), generator=g)
+        mask[j, :length] = 1
+    return ids, mask
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    labels = ids.masked_fill(mask == 0, -100)
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def _freeze_lowest(model: nn.Module, frozen: int) -> list[nn.Module]:
+    blocks = find_blocks(model)
+    for block in blocks[:frozen]:
+        block.requires_grad_(False)
+    return blocks
+
+
+def _linear_calls(blocks: list[nn.Module]) -> list[int]:
+    """Per block, a counter of its Linear forwards (filled by hooks)."""
+    calls = [0] * len(blocks)
+    for index, block in enumerate(blocks):
+        for module in block.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layouts", [
+    pytest.param([[7, 7], [7, 7]], id="same-batch-twice"),
+    pytest.param([[5, 9], [9, 5]], id="rows-swapped"),
+    pytest.param([[5, 9, 3], [3, 5, 9]], id="three-rows-reordered"),
+])
+def test_replay_gives_the_loss_and_gradients_of_the_frozen_blocks(layouts: list[list[int]]) -> None:
+    reference, cached = tiny_llama_peft(NUM_BLOCKS), tiny_llama_peft(NUM_BLOCKS)
+    _freeze_lowest(reference, FROZEN)
+    blocks = _freeze_lowest(cached, FROZEN)
+    calls = _linear_calls(blocks)
+    prefix = FrozenPrefix(blocks)
+    prefix.freeze(FROZEN)
+    rows = {length: _padded_batch([length], 12, seed=length) for length in {n for layout in layouts for n in layout}}
+    for step, layout in enumerate(layouts):
+        width = max(layout) + step  # the second layout is padded wider: dynamic padding still hits
+        ids = torch.zeros(len(layout), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, length in enumerate(layout):
+            ids[j, :length], mask[j, :length] = rows[length][0][0, :length], 1
+        before = list(calls)
+        prefix.set_batch(ids, mask)
+        loss = _loss(cached, ids, mask)
+        loss.backward()
+        prefix.end_batch()
+        expected = _loss(reference, ids, mask)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+        got, want = _grads(cached), _grads(reference)
+        assert got.keys() == want.keys() and got
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+        assert not any("layers.0." in name or "layers.1." in name for name in got)  # no gradient in the frozen blocks
+        ran = [after - b for after, b in zip(calls, before)]
+        assert (ran[0] > 0) == (step == 0) and (ran[1] > 0) == (step == 0), ran  # a hit skips the frozen forward
+        assert ran[2] > 0 and ran[3] > 0
+        cached.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert prefix.stats.hits == len(layouts) - 1
+    prefix.remove()
+
+
+def test_evaluation_and_unnamed_batches_run_every_block() -> None:
+    model = tiny_llama_peft(NUM_BLOCKS)
+    blocks = _freeze_lowest(model, FROZEN)
+    calls = _linear_calls(blocks)
+    prefix = FrozenPrefix(blocks)
+    prefix.freeze(FROZEN)
+    ids, mask = _padded_batch([6, 6], 6)
+    for _ in range(2):
+        prefix.set_batch(ids, mask)
+        _loss(model, ids, mask)
+        prefix.end_batch()
+    assert prefix.stats.hits == 1
+    before = list(calls)
+    _loss(model, ids, mask)  # no batch named: not a training step of the prefix
+    assert all(after > b for after, b in zip(calls, before)), (before, calls)
+    model.eval()
+    prefix.set_batch(ids, mask)
+    before = list(calls)
+    with torch.no_grad():
+        _loss(model, ids, mask)
+    assert all(after > b for after, b in zip(calls, before)), (before, calls)
+    assert prefix.stats.hits == 1
+    prefix.remove()
+
+
+@pytest.mark.parametrize(("max_bytes", "stored", "dropped"), [(0, 0, 0), (12 * 32 * 4, 1, 1), (2**20, 2, 0)])
+def test_the_store_keeps_to_its_budget(max_bytes: int, stored: int, dropped: int) -> None:
+    model = tiny_llama_peft(NUM_BLOCKS)
+    prefix = FrozenPrefix(_freeze_lowest(model, FROZEN), max_bytes=max_bytes)
+    prefix.freeze(FROZEN)
+    ids, mask = _padded_batch([12, 12], 12)
+    prefix.set_batch(ids, mask)
+    _loss(model, ids, mask)
+    prefix.end_batch()
+    assert (prefix.stats.stored_examples, prefix.stats.dropped_examples) == (stored, dropped)
+    assert prefix.stats.stored_bytes <= max_bytes
+    prefix.remove()
+
+
+def test_a_new_freeze_empties_the_store() -> None:
+    model = tiny_llama_peft(NUM_BLOCKS)
+    prefix = FrozenPrefix(_freeze_lowest(model, 3))
+    prefix.freeze(1)
+    ids, mask = _padded_batch([8], 8)
+    prefix.set_batch(ids, mask)
+    _loss(model, ids, mask)
+    prefix.end_batch()
+    assert prefix.stats.stored_examples == 1
+    prefix.freeze(3)
+    assert prefix.stats.stored_examples == 0
+    with pytest.raises(ValueError, match="num_blocks=5"):
+        prefix.freeze(5)
+    prefix.remove()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"schedule": {}}, "schedule="),
+    ({"schedule": {-1: 2}}, "epoch"),
+    ({"schedule": {"1": 2}}, "epoch"),
+    ({"schedule": {1: 1.5}}, r"schedule\[1\]=1.5"),
+    ({"schedule": {1: -2}}, r"schedule\[1\]=-2"),
+    ({"schedule": {1: "half"}}, r"schedule\[1\]='half'"),
+    ({"schedule": {1: 2}, "max_cache_mb": -1}, "max_cache_mb=-1"),
+    ({"schedule": {1: 2}, "cache_dtype": "int8"}, "cache_dtype='int8'.*allowed: None, float32, bfloat16, float16"),
+])
+def test_bad_arguments_fail_fast(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ProgressiveFreezing(**kwargs)
+
+
+@pytest.mark.parametrize(("schedule", "match"), [
+    ({1: 4}, "freezes 4 of the model's 4 blocks"),
+    ({1: 3, 2: 1}, "unfreezes blocks"),
+])
+def test_schedules_the_model_cannot_take_fail_at_fit_start(schedule: dict[int, int], match: str) -> None:
+    module = TokenLM(tiny_llama_peft(NUM_BLOCKS))
+    trainer = quiet_trainer(max_epochs=1, callbacks=[ProgressiveFreezing(schedule)])
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, token_batches(num_batches=2, vocab=64))
+    assert all(p.requires_grad for n, p in module.named_parameters() if "lora_" in n)
+
+
+def test_a_trainable_embedding_tied_to_the_head_cannot_be_cached() -> None:
+    model = tiny_llama_peft(NUM_BLOCKS)
+    base = model.get_base_model()
+    base.lm_head.weight = base.model.embed_tokens.weight
+    base.model.embed_tokens.weight.requires_grad_(True)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[ProgressiveFreezing({1: 1})])
+    with pytest.raises(ValueError, match="tied to the LM head"):
+        trainer.fit(TokenLM(model), token_batches(num_batches=2, vocab=64))
+
+
+def test_several_processes_are_refused() -> None:
+    class Trainer:
+        world_size = 2
+
+    with pytest.raises(ValueError, match="one process; this Trainer has 2"):
+        ProgressiveFreezing({1: 1}).setup(Trainer(), None, "fit")  # type: ignore[arg-type]
+
+
+def _shuffled_batches(num_batches: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (num_batches * 2, 10), generator=g)
+    return DataLoader(TensorDataset(tokens), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+def _fit(callbacks: list[Any], epochs: int = 3) -> tuple[TokenLM, dict[str, torch.Tensor], dict[str, float]]:
+    torch.manual_seed(0)
+    module = TokenLM(tiny_llama_peft(NUM_BLOCKS), lr=5e-3)
+    snapshots: dict[str, torch.Tensor] = {}
+
+    class Snapshot(ProgressiveFreezing.__mro__[1]):  # a plain Callback
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            for name, p in pl_module.named_parameters():
+                if "lora_" in name:
+                    snapshots[f"{trainer.current_epoch}:{name}"] = p.detach().clone()
+
+    trainer = quiet_trainer(max_epochs=epochs, callbacks=[*callbacks, Snapshot()])
+    trainer.fit(module, _shuffled_batches())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return module, snapshots, metrics
+
+
+@pytest.mark.parametrize("lcsb", [None, "full", "dyadic"])
+def test_a_fit_with_the_cache_trains_exactly_as_without_it(lcsb: str | None) -> None:
+    def lcsb_callbacks() -> list[Any]:
+        return [LCSBCallback(lcsb, momentum="implicit", log_every_n_steps=0)] if lcsb else []
+
+    cached, snaps, metrics = _fit([*lcsb_callbacks(), ProgressiveFreezing({1: FROZEN})])
+    plain, _, plain_metrics = _fit([*lcsb_callbacks(), ProgressiveFreezing({1: FROZEN}, cache=False)])
+    assert metrics["freeze/cache_hit"] == 1.0 and plain_metrics["freeze/cache_hit"] == 0.0  # the last epoch
+    assert metrics["freeze/frozen_blocks"] == FROZEN
+    for (name, p), (_, q) in zip(cached.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        assert p.requires_grad == ("lora_" in name)  # handed back when fit ends
+    lora = {key.split(":", 1)[1] for key in snaps}
+    for name in lora:
+        frozen = any(f"layers.{i}." in name for i in range(FROZEN))
+        # frozen from epoch 1 on: no update at all (not even LCSB's implicit momentum); the others keep training
+        assert torch.equal(snaps[f"0:{name}"], snaps[f"2:{name}"]) == frozen, name
+
+
+def test_state_round_trips() -> None:
+    callback = ProgressiveFreezing({1: 2})
+    callback.frozen = 2
+    other = ProgressiveFreezing({1: 2})
+    other.load_state_dict(callback.state_dict())
+    assert other.frozen == 2 and other.state_key == callback.state_key
+    assert [callback.blocks_at(epoch, 30) for epoch in range(3)] == [0, 2, 2]
+    assert ProgressiveFreezing({0: 0.5, 2: 0.75}).blocks_at(2, 30) == 22
