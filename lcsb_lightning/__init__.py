@@ -18,6 +18,8 @@ _LAZY = {
     "LCSBCallback": "lcsb_lightning.callback",
     "LCSBController": "lcsb_lightning.controller",
     "DivergenceGuard": "lcsb_lightning.guard",
+    "ProgressiveFreezing": "lcsb_lightning.freezing",
+    "FrozenPrefix": "lcsb_lightning.prefix_cache",
     "SelectionPolicy": "lcsb_lightning.policies",
     "build_policy": "lcsb_lightning.policies",
     "QuantizedMeBP": "lcsb_lightning.mebp",

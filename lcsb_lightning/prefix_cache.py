@@ -44,6 +44,7 @@ class CacheStats:
 
     batches: int = 0
     hits: int = 0
+    seeded: int = 0  # batches started from the outputs stored before the freeze grew
     stored_examples: int = 0
     stored_bytes: int = 0
     dropped_examples: int = 0  # not stored: the cache was full
@@ -90,6 +91,10 @@ class _Shared:
         self.rows: list[_Row] | None = None  # the current training batch; None: run the blocks as they are
         self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
         self.store: dict[bytes, torch.Tensor] = {}
+        # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
+        self.previous: dict[bytes, torch.Tensor] = {}
+        self.previous_frozen = 0
+        self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
         self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output: its type and what follows the hidden states
         self.activation_dtype: torch.dtype | None = None
         self.stats = CacheStats()
@@ -126,6 +131,9 @@ class _Shared:
             self.store[row.key] = value
             self.stats.stored_examples += 1
             self.stats.stored_bytes += size
+            old = self.previous.pop(row.key, None)  # superseded: the new store starts from it no more
+            if old is not None:
+                self.stats.stored_bytes -= old.numel() * old.element_size()
 
     def disable(self, reason: str) -> None:
         if self.disabled_reason is None:
@@ -136,18 +144,26 @@ class _Shared:
         self.clear()
 
     def clear(self) -> None:
-        self.store, self.hit = {}, None
+        self.store, self.previous, self.previous_frozen, self.hit, self.seed = {}, {}, 0, None, None
         self.stats.stored_examples = self.stats.stored_bytes = 0
 
-    def assemble(self, like: torch.Tensor) -> torch.Tensor | None:
+    def grow(self, num_blocks: int) -> None:
+        """Freeze ``num_blocks > frozen`` blocks: the outputs stored so far become where the next ones start."""
+        previous = self.store
+        self.clear()
+        self.previous, self.previous_frozen = previous, self.frozen
+        self.stats.stored_bytes = sum(v.numel() * v.element_size() for v in previous.values())
+        self.frozen = num_blocks
+
+    def assemble(self, like: torch.Tensor, store: dict[bytes, torch.Tensor]) -> torch.Tensor | None:
         """The stored output of every row of the batch, padded to ``like``'s shape; None if one is missing."""
         assert self.rows is not None
-        if not all(row.key in self.store for row in self.rows):
+        if not store or not all(row.key in store for row in self.rows):
             return None
-        out = torch.zeros(like.shape[0], like.shape[1], *self.store[self.rows[0].key].shape[1:],
+        out = torch.zeros(like.shape[0], like.shape[1], *store[self.rows[0].key].shape[1:],
                           dtype=self.activation_dtype, device=like.device)
         for j, row in enumerate(self.rows):
-            value = self.store[row.key]
+            value = store[row.key]
             out[j, : value.shape[0]] = value.to(device=like.device, dtype=self.activation_dtype)
         return out
 
@@ -173,12 +189,16 @@ class FrozenBlockForward:
         hidden_in = _hidden_input(args, kwargs)
         if self.index == 0 and hidden_in.grad_fn is not None and not shared.below:
             shared.below = _trainable_leaves(hidden_in)
-        if shared.hit is None and self.index == 0:
-            shared.hit = shared.assemble(hidden_in)
+        if self.index == 0 and shared.hit is None and shared.seed is None:
+            shared.hit = shared.assemble(hidden_in, shared.store)
+            shared.seed = shared.assemble(hidden_in, shared.previous) if shared.hit is None else None
             shared.stats.batches += 1
             shared.stats.hits += shared.hit is not None
+            shared.stats.seeded += shared.seed is not None
         if shared.hit is not None:
             output = shared.rebuild_output(shared.hit if last else hidden_in.detach())
+        elif shared.seed is not None and self.index < shared.previous_frozen:
+            output = shared.rebuild_output(shared.seed if self.index == shared.previous_frozen - 1 else hidden_in.detach())
         else:
             with torch.no_grad():
                 output = inner(*args, **kwargs)
@@ -250,13 +270,20 @@ class FrozenPrefix:
         return list(self.shared.below)
 
     def freeze(self, num_blocks: int) -> None:
-        """Freeze the ``num_blocks`` lowest blocks (a change empties the store: it held another block's output)."""
+        """Freeze the ``num_blocks`` lowest blocks.
+
+        A freeze that grows keeps the outputs stored so far until the newly frozen blocks have started from
+        each of them once (an example's first pass then runs only the blocks frozen since); any other
+        change empties the store.
+        """
         if not 0 <= num_blocks <= len(self.blocks):
             raise ValueError(f"`num_blocks={num_blocks}` is outside 0..{len(self.blocks)} (the model's blocks).")
-        if num_blocks != self.shared.frozen:
+        if num_blocks > self.shared.frozen > 0:
+            self.shared.grow(num_blocks)
+        elif num_blocks != self.shared.frozen:
             self.shared.clear()
             self.shared.below = []
-        self.shared.frozen = num_blocks
+            self.shared.frozen = num_blocks
 
     def clear_store(self) -> None:
         """Forget every stored output (they were computed with weights that have changed since)."""
@@ -269,12 +296,12 @@ class FrozenPrefix:
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}, `input_ids` "
                              f"{tuple(input_ids.shape)}.")
-        self.shared.hit = None
+        self.shared.hit = self.shared.seed = None
         self.shared.rows = _rows(input_ids, attention_mask) if self.shared.frozen else []
 
     def end_batch(self) -> None:
         """The training batch is done: the next forward passes (evaluation) run the blocks as they are."""
-        self.shared.rows, self.shared.hit = None, None
+        self.shared.rows, self.shared.hit, self.shared.seed = None, None, None
 
     def remove(self) -> None:
         """Remove the wrappers and the stored outputs (idempotent)."""

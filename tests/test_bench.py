@@ -327,3 +327,22 @@ def test_wallclock_steps_of_a_phased_arm_need_its_phases_timed(tmp_path: Path) -
                     "t1__full", wallclock_of="t1__hybrid")
     with pytest.raises(RuntimeError, match="needs the speed-up of 'dyadic', 'full' on 't1' from the recipe_speed study"):
         wallclock_steps(tmp_path, bench, wallclock, 200)
+
+
+def test_wallclock_steps_without_recipe_speed_use_the_recorded_train_time(tmp_path: Path) -> None:
+    from lcsb_lightning.bench.runner import wallclock_steps
+    from lcsb_lightning.bench.spec import Arm
+
+    def recorded(name: str, per_step: list[float]) -> None:
+        cumulative = [sum(per_step[: i + 1]) for i in range(len(per_step))]
+        folder = tmp_path / "quality" / name
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps(
+            {"curves": {"train_seconds": cumulative, "total_train_seconds": cumulative[-1]}}))
+
+    recorded("t1__full", [2.0] * 200)  # 400 s
+    recorded("t1__freeze", [2.0] * 100 + [1.0] * 100)  # 300 s; its last steps (a replayed epoch) take 1 s each
+    bench = {"quality": {"arms": {"freeze": {"baseline": "full", "wallclock": True, "overrides": []}}}}
+    wallclock = Arm("quality", "t1__freeze__wallclock", (), {"task": "t1", "arm": "freeze", "run": "wallclock"},
+                    "t1__full", wallclock_of="t1__freeze")
+    assert wallclock_steps(tmp_path, bench, wallclock, 200) == 300

@@ -136,17 +136,31 @@ def test_the_store_keeps_to_its_budget(max_bytes: int, stored: int, dropped: int
     prefix.remove()
 
 
-def test_a_new_freeze_empties_the_store() -> None:
-    model = tiny_llama_peft(NUM_BLOCKS)
-    prefix = FrozenPrefix(_freeze_lowest(model, 3))
+def test_a_growing_freeze_starts_from_the_outputs_stored_before() -> None:
+    reference, model = tiny_llama_peft(NUM_BLOCKS), tiny_llama_peft(NUM_BLOCKS)
+    _freeze_lowest(reference, 3)
+    blocks = _freeze_lowest(model, 3)
+    calls = _linear_calls(blocks)
+    prefix = FrozenPrefix(blocks)
+    ids, mask = _padded_batch([8, 5], 8)
+
+    def step() -> list[int]:
+        before = list(calls)
+        prefix.set_batch(ids, mask)
+        loss = _loss(model, ids, mask)
+        prefix.end_batch()
+        torch.testing.assert_close(loss, _loss(reference, ids, mask), rtol=0, atol=1e-6)
+        return [int(after > b) for after, b in zip(calls, before)]
+
     prefix.freeze(1)
-    ids, mask = _padded_batch([8], 8)
-    prefix.set_batch(ids, mask)
-    _loss(model, ids, mask)
-    prefix.end_batch()
-    assert prefix.stats.stored_examples == 1
+    assert step() == [1, 1, 1, 1]  # block 0 runs (no graph) and its outputs are stored
     prefix.freeze(3)
-    assert prefix.stats.stored_examples == 0
+    assert step() == [0, 1, 1, 1]  # seeded: block 0's stored outputs, blocks 1 and 2 run once
+    assert prefix.stats.seeded == 1 and prefix.stats.stored_examples == 2
+    assert step() == [0, 0, 0, 1]  # a hit
+    assert prefix.shared.previous == {}  # every seed was used and dropped
+    prefix.freeze(2)  # a freeze that shrinks empties the store
+    assert prefix.stats.stored_examples == 0 and step() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="num_blocks=5"):
         prefix.freeze(5)
     prefix.remove()

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
-    StepTime, phased_step_times, ratios_by_share, steps_within, time_to_quality_rows,
+    RecordedStepTime, StepTime, phased_step_times, ratios_by_share, steps_within, time_to_quality_rows,
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
@@ -129,6 +129,11 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
     timed = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
     seconds = step_times({"recipe_speed": timed}, bench)
     per_step, base = seconds.get((task, name)), seconds.get((task, r.get("baseline")))
+    if per_step is None and not r:  # no recipe_speed study: the wall-clock the runs recorded themselves
+        own, baseline = (load_result(root, Arm(arm.study, n)) if n else None for n in (arm.wallclock_of, arm.baseline))
+        if own is not None and baseline is not None:
+            per_step = RecordedStepTime(tuple(float(t) for t in own["curves"]["train_seconds"]))
+            return max(steps, round(steps_within(per_step, float(baseline["curves"]["total_train_seconds"]))))
     if per_step is None or not isinstance(base, float):
         phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
         needed = [p[0] for p in phases] if phases else [name]

@@ -55,17 +55,53 @@ class PhasedStepTime:
         return total
 
 
-StepTime = float | PhasedStepTime
+@dataclass(frozen=True)
+class RecordedStepTime:
+    """The training wall-clock a run recorded (``cumulative[i]``: seconds after optimizer step ``i + 1``),
+    continued past its last step at the median pace of its last ``tail`` steps: the step time of a run
+    whose step changes from epoch to epoch (``ProgressiveFreezing``), measured by the run itself.
+
+    Example::
+
+        >>> timed = RecordedStepTime((2.0, 4.0, 5.0, 6.0), tail=2)
+        >>> timed.seconds(2), timed.seconds(6), timed.steps_within(4.5), timed.steps_within(8.0)
+        (4.0, 8.0, 2.5, 6.0)
+    """
+
+    cumulative: tuple[float, ...]
+    tail: int = 25
+
+    def _pace(self) -> float:
+        times = (0.0, *self.cumulative)
+        deltas = sorted(b - a for a, b in zip(times[-self.tail - 1:], times[-self.tail:]))
+        return deltas[len(deltas) // 2]
+
+    def seconds(self, steps: float) -> float:
+        times, last = (0.0, *self.cumulative), len(self.cumulative)
+        if steps >= last:
+            return times[-1] + (steps - last) * self._pace()
+        whole = int(steps)
+        return times[whole] + (steps - whole) * (times[whole + 1] - times[whole])
+
+    def steps_within(self, seconds: float) -> float:
+        times = (0.0, *self.cumulative)
+        if seconds >= times[-1]:
+            return len(self.cumulative) + (seconds - times[-1]) / self._pace()
+        step = next(i for i, t in enumerate(times) if t > seconds) - 1
+        return step + (seconds - times[step]) / (times[step + 1] - times[step])
+
+
+StepTime = float | PhasedStepTime | RecordedStepTime
 
 
 def elapsed(per_step: StepTime, steps: float) -> float:
-    """Training seconds after ``steps`` optimizer steps at ``per_step`` (seconds, or a phased step time)."""
-    return per_step.seconds(steps) if isinstance(per_step, PhasedStepTime) else steps * per_step
+    """Training seconds after ``steps`` optimizer steps at ``per_step`` (seconds, or a phased or recorded step time)."""
+    return steps * per_step if isinstance(per_step, float) else per_step.seconds(steps)
 
 
 def steps_within(per_step: StepTime, seconds: float) -> float:
     """The (fractional) optimizer steps that ``seconds`` of training pay for: the inverse of :func:`elapsed`."""
-    return per_step.steps_within(seconds) if isinstance(per_step, PhasedStepTime) else seconds / per_step
+    return seconds / per_step if isinstance(per_step, float) else per_step.steps_within(seconds)
 
 
 def phased_step_times(arms: Mapping[str, Mapping[str, Any]],
