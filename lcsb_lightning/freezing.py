@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,18 +18,31 @@ from lcsb_lightning.prefix_cache import FrozenPrefix
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_schedule(schedule: Mapping[Any, Any]) -> dict[int, int | float]:
-    if not isinstance(schedule, Mapping) or not schedule:
-        raise ValueError(f"`schedule={schedule!r}` must be a non-empty mapping epoch -> blocks to freeze "
-                         "(a count, or a fraction in (0, 1) of the blocks), e.g. {1: 0.5}.")
+def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> dict[int, int | float]:
+    """``schedule`` as ``{epoch: blocks}``, sorted; from a mapping or a list of ``[epoch, blocks]`` pairs (the
+    form a Hydra override replaces as a whole: ``freeze.schedule=[[1,0.75]]``)."""
+    usage = "a mapping epoch -> blocks to freeze (a count, or a fraction in (0, 1) of the blocks), e.g. {1: 0.5}, or [[1, 0.5]]"
+    if isinstance(schedule, Mapping):
+        pairs = list(schedule.items())
+    elif isinstance(schedule, Sequence) and not isinstance(schedule, str) and all(
+            isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 for p in schedule):
+        pairs = [(p[0], p[1]) for p in schedule]
+    else:
+        raise ValueError(f"`schedule={schedule!r}` must be {usage}.")
+    if not pairs:
+        raise ValueError(f"`schedule={schedule!r}` is empty; it must be {usage}.")
     out: dict[int, int | float] = {}
-    for epoch, amount in schedule.items():
+    for epoch, amount in pairs:
+        if isinstance(epoch, str) and epoch.isdigit():  # a key from a dotted override: freeze.schedule.2=0.75
+            epoch = int(epoch)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"`schedule` key {epoch!r} must be an epoch: an integer >= 0.")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+        bad_count = isinstance(amount, int) and amount < 0
+        bad_share = isinstance(amount, float) and not 0.0 < amount < 1.0
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or bad_count or bad_share:
             raise ValueError(f"`schedule[{epoch}]={amount!r}` must be a block count (int >= 0) or a fraction in (0, 1).")
-        if isinstance(amount, float) and not 0.0 < amount < 1.0 or isinstance(amount, int) and amount < 0:
-            raise ValueError(f"`schedule[{epoch}]={amount!r}` must be a block count (int >= 0) or a fraction in (0, 1).")
+        if epoch in out:
+            raise ValueError(f"`schedule` names epoch {epoch} twice.")
         out[epoch] = amount
     return dict(sorted(out.items()))
 
@@ -51,8 +64,9 @@ class ProgressiveFreezing(Callback):
     ``momentum``. The parameters it froze get ``requires_grad`` back when fit ends.
 
     Args:
-        schedule: ``{epoch: blocks}``: from that (0-based) epoch on, freeze that many of the lowest blocks
-            (an int), or that share of them (a float in (0, 1)); never fewer than an earlier epoch.
+        schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that
+            many of the lowest blocks (an int), or that share of them (a float in (0, 1)); never fewer than an
+            earlier epoch.
         cache: Store the frozen blocks' outputs per example and reuse them. ``False``: only their
             backward is saved.
         max_cache_mb: At most this many MB of stored outputs (the rest are recomputed every epoch).
@@ -74,7 +88,7 @@ class ProgressiveFreezing(Callback):
 
     def __init__(
         self,
-        schedule: Mapping[int, int | float],
+        schedule: Mapping[int, int | float] | Sequence[Sequence[int | float]],
         cache: bool = True,
         max_cache_mb: float = 2048.0,
         cache_dtype: str | None = None,

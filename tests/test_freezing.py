@@ -169,7 +169,10 @@ def test_a_growing_freeze_starts_from_the_outputs_stored_before() -> None:
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"schedule": {}}, "schedule="),
     ({"schedule": {-1: 2}}, "epoch"),
-    ({"schedule": {"1": 2}}, "epoch"),
+    ({"schedule": {"x": 2}}, "epoch"),
+    ({"schedule": [[1, 2], [1, 3]]}, "epoch 1 twice"),
+    ({"schedule": [1, 2]}, "must be a mapping"),
+    ({"schedule": []}, "is empty"),
     ({"schedule": {1: 1.5}}, r"schedule\[1\]=1.5"),
     ({"schedule": {1: -2}}, r"schedule\[1\]=-2"),
     ({"schedule": {1: "half"}}, r"schedule\[1\]='half'"),
@@ -261,3 +264,4 @@ def test_state_round_trips() -> None:
     assert other.frozen == 2 and other.state_key == callback.state_key
     assert [callback.blocks_at(epoch, 30) for epoch in range(3)] == [0, 2, 2]
     assert ProgressiveFreezing({0: 0.5, 2: 0.75}).blocks_at(2, 30) == 22
+    assert ProgressiveFreezing([[2, 0.75], [0, 0.5]]).schedule == ProgressiveFreezing({"0": 0.5, 2: 0.75}).schedule
