@@ -214,10 +214,10 @@ class ProgressiveFreezing(Callback):
         if below:  # found by the graph, for a model without get_input_embeddings()
             self._freeze_params(below)  # type: ignore[arg-type]
             self.prefix.clear_store()  # computed while they still trained
-        pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True)
-        pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True)
+        pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,
-                      reduce_fx="max")
+                      reduce_fx="max", batch_size=1)
 
     # ---------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

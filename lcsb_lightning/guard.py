@@ -260,7 +260,8 @@ class DivergenceGuard(Callback):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         with torch.no_grad():
             for p, saved in zip(params, self._snapshot["params"]):
-                p.copy_(saved)
+                if p.requires_grad:  # a parameter frozen since the snapshot (ProgressiveFreezing) stays as frozen
+                    p.copy_(saved)
         lrs = [group["lr"] for group in optimizer.param_groups]
         optimizer.load_state_dict(copy.deepcopy(self._snapshot["optimizer"]))
         for group, lr in zip(optimizer.param_groups, lrs):

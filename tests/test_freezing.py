@@ -265,3 +265,27 @@ def test_state_round_trips() -> None:
     assert [callback.blocks_at(epoch, 30) for epoch in range(3)] == [0, 2, 2]
     assert ProgressiveFreezing({0: 0.5, 2: 0.75}).blocks_at(2, 30) == 22
     assert ProgressiveFreezing([[2, 0.75], [0, 0.5]]).schedule == ProgressiveFreezing({"0": 0.5, 2: 0.75}).schedule
+
+
+def test_a_guard_rollback_to_before_the_freeze_leaves_the_frozen_blocks_as_frozen() -> None:
+    """The guard's snapshot predates the freeze; restoring it must not move the frozen blocks (their stored
+    outputs would no longer be theirs)."""
+    from lcsb_lightning.guard import DivergenceGuard
+    from tests.conftest import FaultyLM
+
+    module = FaultyLM("nan", at_step=5)
+    guard = DivergenceGuard(action="rollback", window=10, warmup=1, snapshot_every=100)  # one snapshot: step 0
+    frozen_at_freeze: dict[str, torch.Tensor] = {}
+
+    class Record(ProgressiveFreezing.__mro__[1]):  # a plain Callback, after the freeze of epoch 1
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.current_epoch == 1:
+                frozen_at_freeze.update({n: p.detach().clone() for n, p in pl_module.named_parameters()
+                                         if "lora_" in n and "layers.0." in n})
+
+    trainer = quiet_trainer(max_epochs=4, callbacks=[ProgressiveFreezing({1: 1}), Record(), guard])
+    with pytest.warns(UserWarning, match="DivergenceGuard: step 5"):
+        trainer.fit(module, token_batches(num_batches=2, vocab=64))
+    assert guard.events and guard.events[0]["restored"] == 0
+    after = dict(module.named_parameters())
+    assert frozen_at_freeze and all(torch.equal(after[n], v) for n, v in frozen_at_freeze.items())

@@ -177,3 +177,28 @@ def test_seq_len_above_context_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"seq_len=1024 is above the model's context of 512: allowed: 2..512"):
         run_finetune(compose_cfg([*FAST, "task=pydoc", "seq_len=1024"]), out)
     _assert_nothing_written(out)
+
+
+def test_progressive_freezing_in_the_recipe_replays_padded_classification_examples(tmp_path: Path) -> None:
+    """``freeze=progressive``: from epoch 1 the lowest block is frozen, and with 4 training sentences (2 steps
+    per epoch) every batch of epoch 2 replays its stored outputs, whatever padding its neighbour brings."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train, evals = write_cls(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(
+        ["task=classification", f"task.train_file={train}", f"task.eval_file={evals}", "task.text_column=sentence",
+         "task.verbalizer={0: bad, 1: good}", "task.max_train_examples=4", "trainer.max_steps=6",
+         "freeze=progressive", "freeze.schedule=[[1,1]]"],
+        out,
+    )
+    assert summary["steps"] == 6
+    values: dict[str, list[float]] = {}
+    for path in (out / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        for tag in ("freeze/cache_hit", "freeze/frozen_blocks"):
+            if tag in acc.Tags()["scalars"]:
+                values[tag] = [e.value for e in acc.Scalars(tag)]
+    assert values["freeze/frozen_blocks"] == [1.0, 1.0]  # epochs 1 and 2
+    assert values["freeze/cache_hit"] == [0.0, 1.0]  # epoch 1 stores, epoch 2 replays every batch
