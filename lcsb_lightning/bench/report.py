@@ -258,6 +258,16 @@ def _by_share_section(rows: Sequence[Row]) -> list[str]:
                   [[r["task"], r["arm"], *(_f(r["ratios"].get(s), ".2f", "x") for s in shares)] for r in rows]), ""]
 
 
+def _by_epoch_section(rows: Sequence[Row]) -> list[str]:
+    epochs = max(len(r["epochs"]) for r in rows)
+    return ["### Recorded step time by epoch", "",
+            "Mean train seconds per step of each epoch, as each run recorded it (evaluations excluded; the arms ran "
+            "one after another: compare them only from a run made alone).", "",
+            table(["task", "arm", *(f"epoch {e}" for e in range(epochs)), "total (s)"],
+                  [[r["task"], r["arm"], *(_f(v) for v in r["epochs"]), *([""] * (epochs - len(r["epochs"]))),
+                    _f(r["total_seconds"], ".0f")] for r in rows]), ""]
+
+
 def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """``results.md``: every study's tables, time to quality first."""
     out = [f"# LCSB benchmark: {meta.get('name', '')}", "",
@@ -267,6 +277,8 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
         out += _time_to_quality_section(tables["time_to_quality"])
     if tables.get("time_to_quality_by_share"):
         out += _by_share_section(tables["time_to_quality_by_share"])
+    if tables.get("step_time_by_epoch"):
+        out += _by_epoch_section(tables["step_time_by_epoch"])
     recipe = tables.get("recipe_speed") or []
     if recipe:
         phase_names = [p for p in ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between",

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
-    RecordedStepTime, StepTime, phased_step_times, ratios_by_share, steps_within, time_to_quality_rows,
+    RecordedStepTime, StepTime, phased_step_times, ratios_by_share, step_time_by_epoch, steps_within,
+    time_to_quality_rows,
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
@@ -315,6 +316,8 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         tables["time_to_quality"] = time_to_quality_rows(tables["_quality_raw"], seconds, float(q.get("target_share", 0.9)))
         if q.get("other_shares"):
             tables["time_to_quality_by_share"] = ratios_by_share(tables["_quality_raw"], seconds, list(q["other_shares"]))
+        if q.get("steps_per_epoch"):
+            tables["step_time_by_epoch"] = step_time_by_epoch(tables["_quality_raw"], int(q["steps_per_epoch"]))
     if "speed" in arms:
         shapes = list(dict.fromkeys(a.labels["shape"] for a in arms["speed"]))
         timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}

@@ -246,3 +246,29 @@ def ratios_by_share(
             row = rows.setdefault((r["task"], r["arm"]), {"task": r["task"], "arm": r["arm"], "ratios": {}})
             row["ratios"][share] = r["ratio_to_full"]
     return list(rows.values())
+
+
+def step_time_by_epoch(results: Sequence[Mapping[str, Any]], steps_per_epoch: int) -> list[Row]:
+    """Per arm (equal-steps runs), the mean recorded train seconds per step of each epoch of ``steps_per_epoch``
+    steps, and the total: where a run's step changes from epoch to epoch (``ProgressiveFreezing``).
+
+    Example::
+
+        >>> run = {"labels": {"task": "t", "arm": "a", "run": "steps"},
+        ...        "curves": {"train_seconds": [2.0, 4.0, 5.0, 6.0], "total_train_seconds": 6.0}}
+        >>> step_time_by_epoch([run], 2)
+        [{'task': 't', 'arm': 'a', 'epochs': [2.0, 1.0], 'total_seconds': 6.0}]
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"`steps_per_epoch={steps_per_epoch}` must be >= 1.")
+    rows: list[Row] = []
+    for r in results:
+        if r["labels"].get("run") != "steps":
+            continue
+        times = (0.0, *(float(t) for t in r["curves"]["train_seconds"]))
+        ends = list(range(steps_per_epoch, len(times) - 1, steps_per_epoch)) + [len(times) - 1]
+        starts = [0, *ends[:-1]]
+        rows.append({"task": r["labels"]["task"], "arm": r["labels"]["arm"],
+                     "epochs": [round((times[b] - times[a]) / (b - a), 4) for a, b in zip(starts, ends)],
+                     "total_seconds": round(times[-1], 4)})
+    return rows
