@@ -289,3 +289,27 @@ def test_a_guard_rollback_to_before_the_freeze_leaves_the_frozen_blocks_as_froze
     assert guard.events and guard.events[0]["restored"] == 0
     after = dict(module.named_parameters())
     assert frozen_at_freeze and all(torch.equal(after[n], v) for n, v in frozen_at_freeze.items())
+
+
+def test_frozen_blocks_are_not_checkpointed_by_quantized_mebp() -> None:
+    """With QuantizedMeBP's per-block checkpoints a trained block runs twice a step (forward, recompute in
+    backward); a frozen one runs once while its output is stored and not at all once it is replayed."""
+    from lcsb_lightning.mebp import apply_mebp
+
+    model = apply_mebp(tiny_llama_peft(NUM_BLOCKS), fmt="int4", group_size=32)
+    blocks = _freeze_lowest(model, FROZEN)
+    calls = [0] * len(blocks)
+    for index, block in enumerate(blocks):
+        block.self_attn.q_proj.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+    prefix = FrozenPrefix(blocks)
+    prefix.freeze(FROZEN)
+    ids, mask = _padded_batch([9, 6], 9)
+    per_step = []
+    for _ in range(2):
+        before = list(calls)
+        prefix.set_batch(ids, mask)
+        _loss(model, ids, mask).backward()
+        prefix.end_batch()
+        per_step.append([after - b for after, b in zip(calls, before)])
+    assert per_step == [[1, 1, 2, 2], [0, 0, 2, 2]]
+    prefix.remove()
