@@ -6,12 +6,12 @@ from collections import deque
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 
 from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
+from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
 from lcsb_lightning.selective import DEPRECATED_BACKWARD_MODES
@@ -41,7 +41,7 @@ def _check_strategy(trainer: Trainer) -> None:
         )
 
 
-class LCSBCallback(Callback):
+class LCSBCallback(FitScopedCallback):
     r"""Back-propagate only a subset of transformer blocks at each optimizer step.
 
     At each optimizer step the policy picks ``k`` of the model's ``N`` blocks; the others are cut out
@@ -222,13 +222,6 @@ class LCSBCallback(Callback):
             + f"backward={self.backward}, momentum={self.momentum}"
             + (f", update_scale={self.update_scale}." if self.update_scale != "none" else ".")
         )
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._release()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._release()
 
     def _release(self) -> None:
         if self.controller is not None:

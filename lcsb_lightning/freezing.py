@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks
+from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.prefix_cache import FrozenPrefix
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +47,7 @@ def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> di
     return dict(sorted(out.items()))
 
 
-class ProgressiveFreezing(Callback):
+class ProgressiveFreezing(FitScopedCallback):
     r"""Freeze the lowest transformer blocks as the epochs go by, and stop computing them at all.
 
     From the epochs named in ``schedule`` on, the lowest blocks (and an input embedding below them, if
@@ -148,13 +148,6 @@ class ProgressiveFreezing(Callback):
         self.prefix = FrozenPrefix(found, max_bytes=max_bytes, dtype=_DTYPES.get(self.cache_dtype or ""))
         rank_zero_info(f"ProgressiveFreezing: {dict(zip(self.schedule, counts))} of {len(found)} blocks frozen by "
                        f"epoch, cache={'on' if self.cache else 'off'}.")
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._release()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._release()
 
     def _release(self) -> None:
         if self.prefix is not None:
