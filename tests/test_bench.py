@@ -329,7 +329,7 @@ def test_wallclock_steps_of_a_phased_arm_need_its_phases_timed(tmp_path: Path) -
         wallclock_steps(tmp_path, bench, wallclock, 200)
 
 
-def test_wallclock_steps_without_recipe_speed_use_the_recorded_train_time(tmp_path: Path) -> None:
+def test_wallclock_steps_without_recipe_speed_use_the_recorded_median_step_times(tmp_path: Path) -> None:
     from lcsb_lightning.bench.runner import wallclock_steps
     from lcsb_lightning.bench.spec import Arm
 
@@ -340,9 +340,11 @@ def test_wallclock_steps_without_recipe_speed_use_the_recorded_train_time(tmp_pa
         (folder / "result.json").write_text(json.dumps(
             {"curves": {"train_seconds": cumulative, "total_train_seconds": cumulative[-1]}}))
 
-    recorded("t1__full", [2.0] * 200)  # 400 s
-    recorded("t1__freeze", [2.0] * 100 + [1.0] * 100)  # 300 s; its last steps (a replayed epoch) take 1 s each
-    bench = {"quality": {"arms": {"freeze": {"baseline": "full", "wallclock": True, "overrides": []}}}}
+    recorded("t1__full", [9.0] + [2.0] * 199)  # 400 s by its medians (a slow first step does not count)
+    recorded("t1__freeze", [2.0] * 100 + [1.0] * 100)  # 300 s; its second epoch (replayed) takes 1 s a step
+    # the recipe_speed study is configured (as in benchmark=time_to_quality) but not run
+    bench = {"studies": ["quality"], "recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": []}},
+             "quality": {"steps_per_epoch": 100, "arms": {"freeze": {"baseline": "full", "wallclock": True, "overrides": []}}}}
     wallclock = Arm("quality", "t1__freeze__wallclock", (), {"task": "t1", "arm": "freeze", "run": "wallclock"},
                     "t1__full", wallclock_of="t1__freeze")
     assert wallclock_steps(tmp_path, bench, wallclock, 200) == 300

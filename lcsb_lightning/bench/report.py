@@ -237,7 +237,8 @@ def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
     share = rows[0]["share"]
     return ["## Time to quality", "",
             f"Target: {100 * share:.0f}% of full backprop's eval-loss improvement, L0 - {share:g} (L0 - L_full). "
-            "Time to target: training wall-clock (steps x the arm's recipe-loop step time) at which the eval loss "
+            "Time to target: training wall-clock (steps x the arm's recipe-loop step time; without a recipe_speed "
+            "study, x its own recorded median step time, per epoch where the study sets steps_per_epoch) at which the eval loss "
             "first reaches it, interpolated between evaluations; ratio < 1 is faster to quality than full backprop. "
             "At full backprop's wall-clock: the final eval loss of the arm's equal-wall-clock run (its schedule fitted "
             "to that time), or read off its equal-steps curve where it has none.", "",
@@ -261,8 +262,8 @@ def _by_share_section(rows: Sequence[Row]) -> list[str]:
 def _by_epoch_section(rows: Sequence[Row]) -> list[str]:
     epochs = max(len(r["epochs"]) for r in rows)
     return ["### Recorded step time by epoch", "",
-            "Mean train seconds per step of each epoch, as each run recorded it (evaluations excluded; the arms ran "
-            "one after another: compare them only from a run made alone).", "",
+            "Median train seconds per step of each epoch, as each run recorded it (evaluations excluded; the arms ran "
+            "one after another: compare them only from a run made alone). Total: the recorded train time.", "",
             table(["task", "arm", *(f"epoch {e}" for e in range(epochs)), "total (s)"],
                   [[r["task"], r["arm"], *(_f(v) for v in r["epochs"]), *([""] * (epochs - len(r["epochs"]))),
                     _f(r["total_seconds"], ".0f")] for r in rows]), ""]

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench import plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
-    RecordedStepTime, StepTime, phased_step_times, ratios_by_share, step_time_by_epoch, steps_within,
+    StepTime, elapsed, phased_step_times, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within,
     time_to_quality_rows,
 )
 from lcsb_lightning.bench.spec import (
@@ -130,11 +130,13 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
     timed = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
     seconds = step_times({"recipe_speed": timed}, bench)
     per_step, base = seconds.get((task, name)), seconds.get((task, r.get("baseline")))
-    if per_step is None and not r:  # no recipe_speed study: the wall-clock the runs recorded themselves
+    timing_study = bool(r) and "recipe_speed" in bench.get("studies", ("recipe_speed",))
+    if per_step is None and not timing_study:  # no recipe_speed study run: the step times the runs recorded
         own, baseline = (load_result(root, Arm(arm.study, n)) if n else None for n in (arm.wallclock_of, arm.baseline))
         if own is not None and baseline is not None:
-            per_step = RecordedStepTime(tuple(float(t) for t in own["curves"]["train_seconds"]))
-            return max(steps, round(steps_within(per_step, float(baseline["curves"]["total_train_seconds"]))))
+            epoch = ((bench.get("quality") or {}).get("steps_per_epoch"))
+            mine, theirs = recorded_step_time(own, epoch), recorded_step_time(baseline, epoch)
+            return max(steps, round(steps_within(mine, elapsed(theirs, steps))))
     if per_step is None or not isinstance(base, float):
         phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
         needed = [p[0] for p in phases] if phases else [name]
@@ -293,9 +295,16 @@ RUNNERS: dict[str, Callable[..., None]] = {
 
 
 def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tuple[str, str], StepTime]:
-    """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``."""
+    """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``; without a
+    recipe_speed study, each quality arm's own recorded median step time (per epoch with ``steps_per_epoch``)."""
+    q = bench.get("quality") or {}
     medians = report.step_seconds(tables.get("recipe_speed") or [])
-    return {**medians, **phased_step_times((bench.get("quality") or {}).get("arms") or {}, medians)}
+    out: dict[tuple[str, str], StepTime] = {**medians, **phased_step_times(q.get("arms") or {}, medians)}
+    if not medians:
+        for r in tables.get("_quality_raw") or []:
+            if r["labels"].get("run") == "steps":
+                out.setdefault((r["labels"]["task"], r["labels"]["arm"]), recorded_step_time(r, q.get("steps_per_epoch")))
+    return out
 
 
 def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ The target of a task is ``L0 - share * (L0 - L_full)``, with ``L0`` the eval los
 the time in between two evaluations is interpolated linearly (evaluate often: every 25 steps or
 better, so that the interpolation does not decide the result). An arm's training wall-clock at step
 ``s`` is ``s`` times its median step time in the recipe loop (the ``recipe_speed`` study, arms
-alternating in one process) or, without it, the run's own recorded train time.
+alternating in one process) or, without it, the run's own recorded median step time (per epoch, for runs
+whose step changes from epoch to epoch: :func:`recorded_step_time`).
 """
 
 from __future__ import annotations
@@ -55,47 +56,35 @@ class PhasedStepTime:
         return total
 
 
-@dataclass(frozen=True)
-class RecordedStepTime:
-    """The training wall-clock a run recorded (``cumulative[i]``: seconds after optimizer step ``i + 1``),
-    continued past its last step at the median pace of its last ``tail`` steps: the step time of a run
-    whose step changes from epoch to epoch (``ProgressiveFreezing``), measured by the run itself.
+def recorded_step_time(result: Mapping[str, Any], steps_per_epoch: int | None = None) -> PhasedStepTime:
+    """A run's own step time, for runs without a ``recipe_speed`` timing: the median of its recorded train
+    seconds per step over each epoch of ``steps_per_epoch`` steps (``None``: the whole run as one), the last
+    one continuing past the run. Medians, as in the recipe loop's timing: the first steps' warm-up and a
+    stray slow step do not count.
 
     Example::
 
-        >>> timed = RecordedStepTime((2.0, 4.0, 5.0, 6.0), tail=2)
-        >>> timed.seconds(2), timed.seconds(6), timed.steps_within(4.5), timed.steps_within(8.0)
-        (4.0, 8.0, 2.5, 6.0)
+        >>> run = {"curves": {"train_seconds": [5.0, 7.0, 9.0, 10.0, 11.0, 13.0]}}  # steps of 5, 2, 2 | 1, 1, 2 s
+        >>> recorded_step_time(run, steps_per_epoch=3)
+        PhasedStepTime(phases=((3, 2.0), (None, 1.0)))
+        >>> recorded_step_time(run).phases
+        ((None, 2.0),)
     """
-
-    cumulative: tuple[float, ...]
-    tail: int = 25
-
-    def _pace(self) -> float:
-        times = (0.0, *self.cumulative)
-        deltas = sorted(b - a for a, b in zip(times[-self.tail - 1:], times[-self.tail:]))
-        return deltas[len(deltas) // 2]
-
-    def seconds(self, steps: float) -> float:
-        times, last = (0.0, *self.cumulative), len(self.cumulative)
-        if steps >= last:
-            return times[-1] + (steps - last) * self._pace()
-        whole = int(steps)
-        return times[whole] + (steps - whole) * (times[whole + 1] - times[whole])
-
-    def steps_within(self, seconds: float) -> float:
-        times = (0.0, *self.cumulative)
-        if seconds >= times[-1]:
-            return len(self.cumulative) + (seconds - times[-1]) / self._pace()
-        step = next(i for i, t in enumerate(times) if t > seconds) - 1
-        return step + (seconds - times[step]) / (times[step + 1] - times[step])
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+        raise ValueError(f"`steps_per_epoch={steps_per_epoch}` must be >= 1.")
+    times = (0.0, *(float(t) for t in result["curves"]["train_seconds"]))
+    durations = [b - a for a, b in zip(times, times[1:])]
+    span = steps_per_epoch or len(durations)
+    chunks = [sorted(durations[i:i + span]) for i in range(0, len(durations), span)]
+    medians = [chunk[len(chunk) // 2] for chunk in chunks]
+    return PhasedStepTime(tuple((span if i < len(medians) - 1 else None, m) for i, m in enumerate(medians)))
 
 
-StepTime = float | PhasedStepTime | RecordedStepTime
+StepTime = float | PhasedStepTime
 
 
 def elapsed(per_step: StepTime, steps: float) -> float:
-    """Training seconds after ``steps`` optimizer steps at ``per_step`` (seconds, or a phased or recorded step time)."""
+    """Training seconds after ``steps`` optimizer steps at ``per_step`` (seconds, or a phased step time)."""
     return steps * per_step if isinstance(per_step, float) else per_step.seconds(steps)
 
 
@@ -249,8 +238,9 @@ def ratios_by_share(
 
 
 def step_time_by_epoch(results: Sequence[Mapping[str, Any]], steps_per_epoch: int) -> list[Row]:
-    """Per arm (equal-steps runs), the mean recorded train seconds per step of each epoch of ``steps_per_epoch``
-    steps, and the total: where a run's step changes from epoch to epoch (``ProgressiveFreezing``).
+    """Per arm (equal-steps runs), the median recorded train seconds per step of each epoch of ``steps_per_epoch``
+    steps (:func:`recorded_step_time`), and the recorded total: where a run's step changes from epoch to epoch
+    (``ProgressiveFreezing``).
 
     Example::
 
@@ -259,16 +249,7 @@ def step_time_by_epoch(results: Sequence[Mapping[str, Any]], steps_per_epoch: in
         >>> step_time_by_epoch([run], 2)
         [{'task': 't', 'arm': 'a', 'epochs': [2.0, 1.0], 'total_seconds': 6.0}]
     """
-    if steps_per_epoch < 1:
-        raise ValueError(f"`steps_per_epoch={steps_per_epoch}` must be >= 1.")
-    rows: list[Row] = []
-    for r in results:
-        if r["labels"].get("run") != "steps":
-            continue
-        times = (0.0, *(float(t) for t in r["curves"]["train_seconds"]))
-        ends = list(range(steps_per_epoch, len(times) - 1, steps_per_epoch)) + [len(times) - 1]
-        starts = [0, *ends[:-1]]
-        rows.append({"task": r["labels"]["task"], "arm": r["labels"]["arm"],
-                     "epochs": [round((times[b] - times[a]) / (b - a), 4) for a, b in zip(starts, ends)],
-                     "total_seconds": round(times[-1], 4)})
-    return rows
+    return [{"task": r["labels"]["task"], "arm": r["labels"]["arm"],
+             "epochs": [round(m, 4) for _, m in recorded_step_time(r, steps_per_epoch).phases],
+             "total_seconds": round(float(r["curves"]["total_train_seconds"]), 4)}
+            for r in results if r["labels"].get("run") == "steps"]
