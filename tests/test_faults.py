@@ -191,6 +191,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("mebp=int4 mebp.weights=disk", "mebp: `weights='disk'` is not supported; choose one of 'ram', 'mmap'"),
     ("guard.action=retry", "guard: `action='retry'` is not supported; allowed: skip, rollback, stop"),
     ("guard=stop guard.spike_factor=0.5", "guard: `spike_factor` must be > 1, got 0.5"),
+    ("best_adapter_mode=lowest", r"best_adapter: BestAdapter\(mode='lowest'\): allowed: 'min', 'max'"),
     # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)
     ("policy=full policy._target_=lcsb_lightning.callback.LCSBCallback", "policy: lcsb_lightning.callback.LCSBCallback is not a "
      "SelectionPolicy; allowed: a lcsb_lightning.policies class"),

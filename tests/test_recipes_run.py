@@ -55,16 +55,59 @@ def test_lm_text_run_and_adapter_reload(tmp_path: Path) -> None:
     assert summary["final_metrics"]["val/loss"] < summary["initial_metrics"]["val/loss"]
 
     # Reload the adapter on a fresh base model: the final eval loss is reproduced.
+    assert _reloaded_eval_loss(overrides, out / "adapter") == pytest.approx(summary["final_metrics"]["val/loss"], abs=1e-4)
+
+
+def _reloaded_eval_loss(overrides: list[str], adapter: Path) -> float:
+    """The eval loss of ``adapter`` loaded on a fresh base model, computed outside the recipe."""
     cfg = compose_cfg([*FAST, *overrides])
     bundle = instantiate(cfg.model)
-    model = PeftModel.from_pretrained(bundle.model, str(out / "adapter")).eval()
+    model = PeftModel.from_pretrained(bundle.model, str(adapter)).eval()
     data = instantiate(cfg.task, _convert_="all").build(bundle.tokenizer, cfg.seq_len)
     metric, pad = LanguageModelMetrics(), PaddingCollator(bundle.tokenizer)
     with torch.no_grad():
         for i in range(0, len(data.eval), cfg.eval_batch_size):
             batch = pad(data.eval[i : i + cfg.eval_batch_size])
             metric.update(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
-    assert float(metric.compute()["loss"]) == pytest.approx(summary["final_metrics"]["val/loss"], abs=1e-4)
+    return float(metric.compute()["loss"])
+
+
+def _scalar_values(out: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: list[float] = []
+    for path in sorted((out / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [e.value for e in acc.Scalars(tag)]
+    return values
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_adapter_best_is_the_adapter_of_the_best_evaluation(tmp_path: Path, mode: str) -> None:
+    """``adapter_best`` holds the adapter of the evaluation with the best ``val/loss``: the lowest, or with
+    ``best_adapter_mode=max`` the highest, which is the evaluation before training (not the last adapter)."""
+    train, evals = write_text(tmp_path)
+    overrides = ["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "module.lr=1e-2",
+                 f"best_adapter_mode={mode}"]
+    out = tmp_path / "run"
+    summary = _run(overrides, out)
+    evaluations = _scalar_values(out, "val/loss")  # before training, at steps 2 and 4, after training
+    assert len(evaluations) == 4
+    best = summary["best"]
+    chosen = min(evaluations) if mode == "min" else max(evaluations)
+    assert best["monitor"] == "val/loss" and best["value"] == pytest.approx(chosen, abs=1e-6)
+    if mode == "max":
+        assert best["step"] == 0 and best["value"] == pytest.approx(summary["initial_metrics"]["val/loss"], abs=1e-6)
+    assert _reloaded_eval_loss(overrides, out / "adapter_best") == pytest.approx(best["value"], abs=1e-4)
+
+
+def test_best_adapter_null_writes_no_best_adapter(tmp_path: Path) -> None:
+    train, evals = write_text(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "best_adapter=null"], out)
+    assert summary["best"] is None and not (out / "adapter_best").exists() and (out / "adapter").is_dir()
 
 
 def test_qa_jsonl_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,8 +225,6 @@ def test_seq_len_above_context_is_refused(tmp_path: Path) -> None:
 def test_progressive_freezing_in_the_recipe_replays_padded_classification_examples(tmp_path: Path) -> None:
     """``freeze=progressive``: from epoch 1 the lowest block is frozen, and with 4 training sentences (2 steps
     per epoch) every batch of epoch 2 replays its stored outputs, whatever padding its neighbour brings."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     train, evals = write_cls(tmp_path)
     out = tmp_path / "run"
     summary = _run(
@@ -193,12 +234,5 @@ def test_progressive_freezing_in_the_recipe_replays_padded_classification_exampl
         out,
     )
     assert summary["steps"] == 6
-    values: dict[str, list[float]] = {}
-    for path in (out / "tensorboard").glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(path))
-        acc.Reload()
-        for tag in ("freeze/cache_hit", "freeze/frozen_blocks"):
-            if tag in acc.Tags()["scalars"]:
-                values[tag] = [e.value for e in acc.Scalars(tag)]
-    assert values["freeze/frozen_blocks"] == [1.0, 1.0]  # epochs 1 and 2
-    assert values["freeze/cache_hit"] == [0.0, 1.0]  # epoch 1 stores, epoch 2 replays every batch
+    assert _scalar_values(out, "freeze/frozen_blocks") == [1.0, 1.0]  # epochs 1 and 2
+    assert _scalar_values(out, "freeze/cache_hit") == [0.0, 1.0]  # epoch 1 stores, epoch 2 replays every batch

@@ -28,6 +28,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 # Imported here, before peft: importing lcsb_lightning.mebp installs the filter of bitsandbytes' CPU-kernel notice.
 from lcsb_lightning.mebp import MeBPConfig
 from lcsb_lightning.policies import SelectionPolicy
+from lcsb_lightning.recipes.best_adapter import BestAdapter
 
 #: The schema's name in Hydra's ``ConfigStore`` (the first entry of ``conf/config.yaml``'s defaults).
 SCHEMA_NAME = "finetune_schema"
@@ -166,6 +167,8 @@ class FinetuneConfig:
     eval_before_training: bool = True
     checkpoint_every: int = MISSING
     resume: Optional[str] = None
+    best_adapter: Optional[str] = "val/loss"
+    best_adapter_mode: str = "min"
     module: ModuleConfig = field(default_factory=lambda: OmegaConf.structured(ModuleConfig))
     trainer: TrainerConfig = field(default_factory=lambda: _open(TrainerConfig))
     lcsb: Optional[LCSBConfig] = None
@@ -191,6 +194,11 @@ class FinetuneConfig:
         if context is not None and self.seq_len > context >= 2:
             problems.append(f"seq_len={self.seq_len} is above the model's context of {context}: allowed: 2..{context}")
         _fail(problems)
+        if self.best_adapter is not None:
+            try:
+                BestAdapter(self.best_adapter, self.best_adapter_mode)
+            except ValueError as exc:
+                raise ValueError(f"invalid configuration: best_adapter: {exc}") from None
         policy = _build_check("policy", self.policy)
         if policy is not None and not isinstance(policy, SelectionPolicy):
             raise ValueError(

@@ -74,8 +74,11 @@ def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
         f"{'steps':<{width}}  {summary.get('steps')} ({summary.get('steps_per_second') or 0:.3f} steps/s of training)",
         f"{'peak memory':<{width}}  {summary.get('peak_rss_mb', 0):.0f} MiB (whole process)",
         f"{'adapter':<{width}}  {summary.get('adapter_dir')}",
-        f"{'logs':<{width}}  {summary.get('log_dir')}  (tensorboard --logdir {summary.get('log_dir')})",
     ]
+    best = summary.get("best")
+    if best:
+        lines.append(f"{'best':<{width}}  {best['monitor']} {best['value']:.4f} at step {best['step']}: {best['adapter_dir']}")
+    lines.append(f"{'logs':<{width}}  {summary.get('log_dir')}  (tensorboard --logdir {summary.get('log_dir')})")
     if loss_curve is not None:
         lines.append(f"{'loss curve':<{width}}  {loss_curve}")
     return "\n".join(lines)

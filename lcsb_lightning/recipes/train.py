@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.recipes.batching import PaddingCollator
+from lcsb_lightning.recipes.best_adapter import BestAdapter
 from lcsb_lightning.recipes.checkpointing import (
     CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
     resolve_checkpoint,
@@ -44,6 +45,7 @@ INITIAL_NAME = "initial_metrics.json"
 #: The resolved config a run saves when it starts: what ``resume=`` continues with.
 RUN_CONFIG_NAME = "run_config.yaml"
 ADAPTER_NAME = "adapter"
+BEST_ADAPTER_NAME = "adapter_best"
 LOSS_CURVE_NAME = "loss_curve.png"
 
 
@@ -134,7 +136,7 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
     """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
     freezing (``freeze`` group), a step timer, throughput logging, the
-    ``extra_callbacks``, resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
+    ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
     checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
 
@@ -145,6 +147,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     lcsb = _node(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, _node(cfg, "freeze")) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    if cfg.get("best_adapter") is not None:
+        callbacks.append(BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min"))))
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
                                          save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
@@ -212,8 +216,9 @@ def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None
 
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, ``summary.json`` and a
-    loss-curve PNG into ``output_dir``.
+    """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, the adapter of the best
+    evaluation (``adapter_best``, with ``best_adapter`` set), ``summary.json`` and a loss-curve PNG into
+    ``output_dir``.
 
     The config is checked first (:func:`~lcsb_lightning.recipes.config.check_config`), then (with
     ``resume``) the checkpoint is read, then every input is checked before the model is loaded (see
@@ -266,6 +271,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
 
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
     guard = next((cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard)), None)
+    best = next((cb for cb in trainer.callbacks if isinstance(cb, BestAdapter)), None)
     steps = int(trainer.global_step)
     train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
@@ -290,12 +296,16 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         "num_blocks": len(lcsb.selection_counts) if lcsb is not None else 0,
         "block_selection_counts": list(lcsb.selection_counts) if lcsb is not None else [],
         "adapter_dir": str(out / ADAPTER_NAME),
+        "best": ({"monitor": best.monitor, "value": best.best_value, "step": best.best_step,
+                  "adapter_dir": str(out / BEST_ADAPTER_NAME)} if best is not None and best.best_step is not None else None),
         "log_dir": str(getattr(trainer.logger, "log_dir", out)),
         **_hydra_choices(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if trainer.is_global_zero:
         save_adapter(module.model, out / ADAPTER_NAME)
+        if best is not None:
+            best.save(module.model, out / BEST_ADAPTER_NAME)
         atomic_write_json(out / SUMMARY_NAME, summary)
         curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
         log.info("\n%s", final_table(summary, curve))
