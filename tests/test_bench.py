@@ -51,8 +51,15 @@ def test_finetune_arms_reject_unknown_baseline_and_task_override() -> None:
     bad = {**QUALITY, "arms": {"lcsb": {"baseline": "nope", "overrides": []}}}
     with pytest.raises(ValueError, match="baseline 'nope' is not an arm"):
         finetune_arms("quality", bad)
-    with pytest.raises(ValueError, match="task_overrides for tasks not in"):
+    with pytest.raises(ValueError, match=r"task_overrides for tasks not in quality.tasks and not packaged.*\['t9'\]"):
         finetune_arms("quality", {**QUALITY, "task_overrides": {"t9": []}})
+
+
+def test_task_overrides_of_a_packaged_task_outside_tasks_are_kept_for_later_and_not_applied() -> None:
+    # a preset holds every task's overrides, so that "benchmark.quality.tasks=[gsm8k]" is the whole command
+    arms = finetune_arms("quality", {**QUALITY, "task_overrides": {"t2": ["seq_len=99"], "gsm8k": ["seq_len=256"]}})
+    assert {a.labels["task"] for a in arms} == {"t1", "t2"}
+    assert not any("seq_len=256" in a.overrides for a in arms)
 
 
 def test_stability_arms_cover_the_grid() -> None:
@@ -84,6 +91,8 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("standard", {"recipe_speed": 3, "quality": 21}),
     ("ablation", {"ablation": 16}),
     ("time_to_quality", {"recipe_speed": 3, "quality": 39}),
+    ("multi_epoch", {"quality": 5}),
+    ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),
 ])
 def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:
@@ -93,7 +102,7 @@ def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int])
 
 def test_every_fine_tuning_arm_of_the_configs_composes() -> None:
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        for name in ("standard", "ablation", "time_to_quality"):
+        for name in ("standard", "ablation", "time_to_quality", "multi_epoch", "multi_epoch_int4"):
             bench = compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
             for arms in validate(dict(bench)).values():
                 for arm in arms:
@@ -348,3 +357,16 @@ def test_wallclock_steps_without_recipe_speed_use_the_recorded_median_step_times
     wallclock = Arm("quality", "t1__freeze__wallclock", (), {"task": "t1", "arm": "freeze", "run": "wallclock"},
                     "t1__full", wallclock_of="t1__freeze")
     assert wallclock_steps(tmp_path, bench, wallclock, 200) == 300
+
+
+@pytest.mark.parametrize("name", ["multi_epoch", "multi_epoch_int4", "time_to_quality"])
+def test_each_task_of_a_preset_runs_alone_with_one_override(name: str) -> None:
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        tasks = list(compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark.quality.task_overrides)
+        assert tasks, f"benchmark={name} has no task_overrides"
+        for task in tasks:
+            bench = compose(config_name="benchmark", overrides=[f"benchmark={name}", f"benchmark.quality.tasks=[{task}]"]).benchmark
+            arms = validate(dict(bench))["quality"]
+            assert {a.labels["task"] for a in arms} == {task}
+            for arm in arms:
+                compose(config_name="config", overrides=["data_dir=/data", *arm.overrides])

@@ -18,6 +18,8 @@ RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
 STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed")
 FINETUNE_STUDIES = ("quality", "ablation")
+#: the package holding the Hydra configs; its ``task`` group names the tasks ``task_overrides`` may key
+CONFIG_PACKAGE = "lcsb_lightning.conf"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,13 @@ def settings_hash(settings: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def packaged_tasks() -> frozenset[str]:
+    """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
+    from importlib.resources import files
+
+    return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_PACKAGE) / "task").iterdir() if f.name.endswith(".yaml"))
+
+
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
     """Expand a fine-tuning study (``quality`` or ``ablation``) into arms.
 
@@ -62,7 +71,8 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
     a twin that trains for the baseline's wall-clock time instead. Baselines come first in each task.
 
     Raises:
-        ValueError: an arm names a baseline that is not an arm, or an unknown key in ``task_overrides``.
+        ValueError: an arm names a baseline that is not an arm, or a key of ``task_overrides`` is neither in
+            ``tasks`` nor a packaged task (a preset may hold every task's overrides; those of ``tasks`` apply).
     """
     arms_cfg: Mapping[str, Any] = q["arms"]
     for name, arm in arms_cfg.items():
@@ -70,9 +80,12 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
         if base is not None and base not in arms_cfg:
             raise ValueError(f"{study} arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
     task_overrides: Mapping[str, Sequence[str]] = q.get("task_overrides") or {}
-    unknown = set(task_overrides) - set(q["tasks"])
+    unknown = set(task_overrides) - set(q["tasks"]) - packaged_tasks()
     if unknown:
-        raise ValueError(f"task_overrides for tasks not in {study}.tasks: {sorted(unknown)}")
+        raise ValueError(
+            f"task_overrides for tasks not in {study}.tasks and not packaged task configs: {sorted(unknown)}; "
+            f"packaged: {', '.join(sorted(packaged_tasks()))}"
+        )
     order = sorted(arms_cfg, key=lambda n: arms_cfg[n].get("baseline") is not None)  # stable: baselines first
     out: list[Arm] = []
     for task in q["tasks"]:
