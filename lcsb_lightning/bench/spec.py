@@ -18,8 +18,6 @@ RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
 STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed")
 FINETUNE_STUDIES = ("quality", "ablation")
-#: the package holding the Hydra configs; its ``task`` group names the tasks ``task_overrides`` may key
-CONFIG_PACKAGE = "lcsb_lightning.conf"
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,9 @@ def packaged_tasks() -> frozenset[str]:
     """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
     from importlib.resources import files
 
-    return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_PACKAGE) / "task").iterdir() if f.name.endswith(".yaml"))
+    from lcsb_lightning.recipes.cli import CONFIG_MODULE
+
+    return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "task").iterdir() if f.name.endswith(".yaml"))
 
 
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
@@ -80,11 +80,12 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
         if base is not None and base not in arms_cfg:
             raise ValueError(f"{study} arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
     task_overrides: Mapping[str, Sequence[str]] = q.get("task_overrides") or {}
-    unknown = set(task_overrides) - set(q["tasks"]) - packaged_tasks()
+    packaged = packaged_tasks()
+    unknown = set(task_overrides) - set(q["tasks"]) - packaged
     if unknown:
         raise ValueError(
             f"task_overrides for tasks not in {study}.tasks and not packaged task configs: {sorted(unknown)}; "
-            f"packaged: {', '.join(sorted(packaged_tasks()))}"
+            f"packaged: {', '.join(sorted(packaged))}"
         )
     order = sorted(arms_cfg, key=lambda n: arms_cfg[n].get("baseline") is not None)  # stable: baselines first
     out: list[Arm] = []
