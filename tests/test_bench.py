@@ -366,9 +366,10 @@ def test_each_task_of_a_preset_runs_alone_with_one_override(name: str) -> None:
         assert tasks, f"benchmark={name} has no task_overrides"
         for task in tasks:
             bench = compose(config_name="benchmark", overrides=[f"benchmark={name}", f"benchmark.quality.tasks=[{task}]"]).benchmark
-            arms = validate(dict(bench))["quality"]
+            studies = validate(dict(bench))
+            arms = studies["quality"]
             assert {a.labels["task"] for a in arms} == {task}
             if name == "multi_epoch_int4":  # its wall-clock axis times the same task
-                assert [a.labels["task"] for a in validate(dict(bench))["recipe_speed"]] == [task]
+                assert [a.labels["task"] for a in studies["recipe_speed"]] == [task]
             for arm in arms:
                 compose(config_name="config", overrides=["data_dir=/data", *arm.overrides])
