@@ -17,6 +17,7 @@ from lcsb_lightning.bench import report
 from lcsb_lightning.bench.runner import run_benchmark, validate
 from lcsb_lightning.bench.spec import (
     RESULT_NAME, Arm, arm_dir, diverged, finetune_arms, load_result, settings_hash, slug, stability_arms,
+    without_disabled_arms,
 )
 from lcsb_lightning.recipes.cli import CONFIG_MODULE
 
@@ -60,6 +61,25 @@ def test_task_overrides_of_a_packaged_task_outside_tasks_are_kept_for_later_and_
     arms = finetune_arms("quality", {**QUALITY, "task_overrides": {"t2": ["seq_len=99"], "gsm8k": ["seq_len=256"]}})
     assert {a.labels["task"] for a in arms} == {"t1", "t2"}
     assert not any("seq_len=256" in a.overrides for a in arms)
+
+
+def test_an_arm_set_to_null_is_left_out_of_its_study() -> None:
+    bench = {"studies": ["recipe_speed", "quality"],
+             "recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": [], "lcsb": None}},
+             "quality": {**QUALITY, "tasks": ["t1"], "task_overrides": {}, "arms": {**QUALITY["arms"], "lcsb": None}}}
+    arms = validate(bench)
+    assert [a.name for a in arms["quality"]] == ["t1__full"]
+    assert without_disabled_arms(bench)["recipe_speed"]["arms"] == {"full": []}
+
+
+def test_a_preset_drops_inherited_arms_and_the_command_line_drops_more() -> None:
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        int4 = compose(config_name="benchmark", overrides=["benchmark=multi_epoch_int4"]).benchmark
+        fewer = compose(config_name="benchmark",
+                        overrides=["benchmark=multi_epoch_int4", "benchmark.quality.arms.dyadic=null"]).benchmark
+    assert int4.quality.task_overrides == bench_cfg("multi_epoch").quality.task_overrides  # inherited, not repeated
+    assert [a.labels["arm"] for a in validate(dict(int4))["quality"]] == ["full", "dyadic"]
+    assert [a.labels["arm"] for a in validate(dict(fewer))["quality"]] == ["full"]
 
 
 def test_stability_arms_cover_the_grid() -> None:

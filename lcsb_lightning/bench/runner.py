@@ -28,7 +28,7 @@ from lcsb_lightning.bench.time_to_quality import (
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
-    recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms,
+    recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms, without_disabled_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     """Check the benchmark config and expand every requested study into its arms (before any work).
 
+    An arm set to ``null`` is left out (:func:`~lcsb_lightning.bench.spec.without_disabled_arms`).
+
     Raises:
         ValueError: unknown study, or an inconsistent study section.
     """
+    bench = without_disabled_arms(bench)
     studies = list(bench.get("studies") or [])
     unknown = [s for s in studies if s not in STUDIES]
     if unknown or not studies:
@@ -379,7 +382,7 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
     Returns:
         The tables written to ``results.json``.
     """
-    bench = OmegaConf.to_container(bench, resolve=True) if isinstance(bench, DictConfig) else dict(bench)
+    bench = without_disabled_arms(OmegaConf.to_container(bench, resolve=True) if isinstance(bench, DictConfig) else bench)
     arms = validate(bench)
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)

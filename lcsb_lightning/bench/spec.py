@@ -55,6 +55,25 @@ def settings_hash(settings: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def without_disabled_arms(bench: Mapping[str, Any]) -> dict[str, Any]:
+    """The benchmark config with every arm set to ``null`` left out of its study.
+
+    A preset that extends another drops an inherited arm this way (``full_freeze: null``), and so does
+    the command line: ``benchmark.quality.arms.dyadic=null``.
+
+    Example::
+
+        >>> without_disabled_arms({"quality": {"arms": {"full": {}, "dyadic": None}}})
+        {'quality': {'arms': {'full': {}}}}
+    """
+    out: dict[str, Any] = dict(bench)
+    for study in STUDIES:
+        section = out.get(study)
+        if isinstance(section, Mapping) and isinstance(section.get("arms"), Mapping):
+            out[study] = {**section, "arms": {name: arm for name, arm in section["arms"].items() if arm is not None}}
+    return out
+
+
 def packaged_tasks() -> frozenset[str]:
     """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
     from importlib.resources import files
