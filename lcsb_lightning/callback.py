@@ -73,7 +73,10 @@ class LCSBCallback(FitScopedCallback):
         momentum: ``"implicit"`` (the paper's): non-selected parameters keep a zero gradient, so AdamW
             momentum and weight decay keep moving them. ``"skip"``: their
             gradient stays ``None`` and the optimizer skips them (LISA). ``"reset"``: like ``"skip"``,
-            and a block's optimizer state is dropped when it leaves the selection (BAdam).
+            and a block's optimizer state is dropped when it leaves the selection (BAdam). ``"reuse"``:
+            a non-selected block gets the raw gradient of the last step that trained it, so AdamW updates
+            it at every step as if its gradient had not changed since (one copy of the trainable block
+            parameters' gradients, kept in the checkpoint).
         blocks: ``"auto"``, a dotted path to the block ``ModuleList`` or a callable ``model -> blocks``.
         switch_every: optimizer steps between re-selections.
         seed: seed of the policy's generator (ignored when ``policy`` is an instance).

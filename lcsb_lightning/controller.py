@@ -15,7 +15,7 @@ from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.selective import SelectiveBackprop, normalize_backward
 
 BACKWARD_MODES = ("identity", "selected_only", "all_reached")
-MOMENTUM_MODES = ("implicit", "skip", "reset")
+MOMENTUM_MODES = ("implicit", "skip", "reset", "reuse")
 #: what ``momentum_below`` may do to a trainable tensor below the blocks (it has no "selection" to leave)
 MOMENTUM_BELOW_MODES = ("implicit", "skip")
 UPDATE_SCALES = ("none", "sqrt_period")
@@ -37,6 +37,11 @@ def validate_modes(backward: str, momentum: str, update_scale: str = "none", mom
         raise ValueError(
             f"`momentum_below={momentum_below!r}` is not supported; allowed: {', '.join(MOMENTUM_BELOW_MODES)} "
             "or None (as `momentum`)."
+        )
+    if momentum == "reuse" and momentum_below is None:
+        raise ValueError(
+            "`momentum_below=None` (as `momentum`) cannot reuse gradients below the blocks; with "
+            f"`momentum='reuse'` give `momentum_below` one of: {', '.join(MOMENTUM_BELOW_MODES)}."
         )
     if update_scale not in UPDATE_SCALES:
         raise ValueError(f"`update_scale={update_scale!r}` is not supported; allowed: {', '.join(UPDATE_SCALES)}.")
@@ -99,6 +104,8 @@ class LCSBController:
         self.observed_at_step = -1
         # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
+        # momentum="reuse": block index -> the gradients of its parameters the last step that trained it
+        self.last_grads: dict[int, list[torch.Tensor | None]] = {}
         # parameters a model uses in two places (an input embedding tied to the head): a step whose backward
         # does not reach the lookup still gives them the head's exact gradient, which is theirs to use
         names_per_param = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -164,20 +171,44 @@ class LCSBController:
             if self.selective is not None and not self.selective.reaches_below else []
         )
         below_index = self.num_blocks
+        if self.momentum == "reuse":
+            self._remember_grads(chosen)
         for index, params in enumerate([*self.block_params.params_per_block, below]):
             if index in chosen:
                 continue
             momentum = self.momentum_below if index == below_index else self.momentum
-            for p in params:
+            remembered = self.last_grads.get(index) if momentum == "reuse" else None
+            for position, p in enumerate(params):
                 if id(p) not in in_optimizer or not p.requires_grad:  # frozen since fit start: no update at all
                     continue
-                if momentum != "implicit":
+                if momentum in ("skip", "reset"):
                     p.grad = None
+                elif remembered is not None and remembered[position] is not None:
+                    # a copy: gradient clipping scales p.grad in place, and the remembered one must stay raw
+                    if p.grad is None:
+                        p.grad = remembered[position].clone()
+                    else:
+                        p.grad.copy_(remembered[position])
                 elif p.grad is None:
                     p.grad = torch.zeros_like(p)
                 elif not known_zero:
                     p.grad.zero_()
         return norms
+
+    def _remember_grads(self, chosen: set[int]) -> None:
+        """``momentum="reuse"``: keep the raw gradients of the blocks this step trains (before clipping)."""
+        for index in chosen:
+            previous = self.last_grads.get(index)
+            kept: list[torch.Tensor | None] = []
+            for position, p in enumerate(self.block_params.params_per_block[index]):
+                old = previous[position] if previous is not None else None
+                if p.grad is None:
+                    kept.append(old)
+                elif old is not None and old.shape == p.grad.shape:
+                    kept.append(old.copy_(p.grad))
+                else:
+                    kept.append(p.grad.detach().clone())
+            self.last_grads[index] = kept
 
     def update_multipliers(self) -> list[float]:
         """Per block, the factor ``update_scale`` multiplies its optimizer update by: ``sqrt(P)``, with ``P``
@@ -244,6 +275,7 @@ class LCSBController:
             "observed_at_step": self.observed_at_step,
             "selection_counts": list(self.selection_counts),
             "steps_selected": self.steps_selected,
+            "last_grads": {index: list(grads) for index, grads in self.last_grads.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -253,3 +285,4 @@ class LCSBController:
         self.observed_at_step = int(state["observed_at_step"])
         self.selection_counts = list(state["selection_counts"])
         self.steps_selected = int(state.get("steps_selected", max(self.selection_counts, default=0)))
+        self.last_grads = {int(index): list(grads) for index, grads in state.get("last_grads", {}).items()}

@@ -38,7 +38,7 @@ def _fit(model: TokenLM, lcsb: LCSBCallback, steps: int, **trainer_kwargs: Any) 
     return recorder
 
 
-@pytest.mark.parametrize("momentum", ["implicit", "skip", "reset"])
+@pytest.mark.parametrize("momentum", ["implicit", "skip", "reset", "reuse"])
 def test_momentum_modes(residual_net, momentum: str) -> None:
     # 2 blocks, k=1: block 0 trains at steps 0, 2, 4; block 1 at steps 1, 3, 5.
     model = TokenLM(residual_net(num_blocks=2), lr=0.05, weight_decay=0.1)
@@ -46,7 +46,7 @@ def test_momentum_modes(residual_net, momentum: str) -> None:
     recorder = _fit(model, lcsb, steps=4)
     assert recorder.selections == [(0,), (1,), (0,), (1,)]
     moved_while_skipped = not torch.equal(recorder.block0[0], recorder.block0[1])
-    assert moved_while_skipped == (momentum == "implicit")
+    assert moved_while_skipped == (momentum in ("implicit", "reuse"))
     optimizer_state = model.trainer.optimizers[0].state
     block0_params = list(model.model.stack[0].parameters())
     has_state = [p in optimizer_state and len(optimizer_state[p]) > 0 for p in block0_params]
@@ -117,11 +117,13 @@ def test_all_reached_backward_trains_every_block_above_the_selection(residual_ne
     assert lcsb.selection_counts == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("policy", ["cyclic", "random", "grad_norm"])
-def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "momentum"), [("cyclic", "implicit"), ("random", "implicit"), ("grad_norm", "implicit"), ("cyclic", "reuse")]
+)
+def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, policy: str, momentum: str) -> None:
     def run(steps: int, ckpt_path: str | None = None, checkpoint_dir: Path | None = None) -> tuple[TokenLM, Recorder]:
         model = TokenLM(residual_net(num_blocks=6, seed=0), lr=0.02)
-        lcsb = LCSBCallback(policy, layers_per_step=2, seed=7)
+        lcsb = LCSBCallback(policy, layers_per_step=2, seed=7, momentum=momentum)
         recorder = Recorder(lcsb)
         callbacks: list[Callback] = [lcsb, recorder]
         if checkpoint_dir is not None:
@@ -163,7 +165,8 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
     [
         (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, freeze, full, grad_norm, random\.$"),
         (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
-        (dict(layers_per_step=1, momentum="adam"), ValueError, r"`momentum='adam'` is not supported; allowed: implicit, skip, reset\.$"),
+        (dict(layers_per_step=1, momentum="adam"), ValueError, r"`momentum='adam'` is not supported; allowed: implicit, skip, reset, reuse\.$"),
+        (dict(momentum="reuse", momentum_below=None), ValueError, r"`momentum_below=None` \(as `momentum`\) cannot reuse"),
         (dict(momentum_below="reset"), ValueError, r"`momentum_below='reset'` is not supported; allowed: implicit, skip or None \(as `momentum`\)\.$"),
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
         (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),

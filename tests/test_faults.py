@@ -183,7 +183,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("policy=dyadic policy.levels=0", "policy: `levels` must be an integer >= 1, got 0"),
     ("policy=grad_norm policy.ema_decay=1.5", "policy: `ema_decay`"),
     ("lcsb.backward=approx", "lcsb: `backward='approx'` is not supported; allowed: identity, selected_only, all_reached"),
-    ("lcsb.momentum=adam", "lcsb: `momentum='adam'` is not supported; allowed: implicit, skip, reset"),
+    ("lcsb.momentum=adam", "lcsb: `momentum='adam'` is not supported; allowed: implicit, skip, reset, reuse"),
     ("lcsb.update_scale=sqrt", "lcsb: `update_scale='sqrt'` is not supported; allowed: none, sqrt_period"),
     ("lcsb.momentum_below=reset", "lcsb: `momentum_below='reset'` is not supported; allowed: implicit, skip"),
     ("lcsb.probe_every=-1", "lcsb: `probe_every` must be an integer >= 0, got -1"),
@@ -192,6 +192,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("guard.action=retry", "guard: `action='retry'` is not supported; allowed: skip, rollback, stop"),
     ("guard=stop guard.spike_factor=0.5", "guard: `spike_factor` must be > 1, got 0.5"),
     ("best_adapter_mode=lowest", r"best_adapter: BestAdapter\(mode='lowest'\): allowed: 'min', 'max'"),
+    ("lcsb.momentum=reuse lcsb.momentum_below=null", r"lcsb: `momentum_below=None` \(as `momentum`\) cannot reuse"),
     # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)
     ("policy=full policy._target_=lcsb_lightning.callback.LCSBCallback", "policy: lcsb_lightning.callback.LCSBCallback is not a "
      "SelectionPolicy; allowed: a lcsb_lightning.policies class"),
