@@ -192,6 +192,9 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("guard.action=retry", "guard: `action='retry'` is not supported; allowed: skip, rollback, stop"),
     ("guard=stop guard.spike_factor=0.5", "guard: `spike_factor` must be > 1, got 0.5"),
     ("best_adapter_mode=lowest", r"best_adapter: BestAdapter\(mode='lowest'\): allowed: 'min', 'max'"),
+    ("early_stopping_patience=0", "early_stopping_patience=0: allowed: an integer >= 1"),
+    ("early_stopping_patience=2 best_adapter=null", "early_stopping_patience=2 watches best_adapter's metric, and "
+     "best_adapter is null"),
     ("lcsb.momentum=reuse lcsb.momentum_below=null", r"lcsb: `momentum_below=None` \(as `momentum`\) cannot reuse"),
     # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)
     ("policy=full policy._target_=lcsb_lightning.callback.LCSBCallback", "policy: lcsb_lightning.callback.LCSBCallback is not a "

@@ -103,6 +103,20 @@ def test_adapter_best_is_the_adapter_of_the_best_evaluation(tmp_path: Path, mode
     assert _reloaded_eval_loss(overrides, out / "adapter_best") == pytest.approx(best["value"], abs=1e-4)
 
 
+@pytest.mark.parametrize(("patience", "steps", "stopped_early_at"), [(None, 8, None), (1, 4, 4), (2, 6, 6)])
+def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvement(
+    tmp_path: Path, patience: int | None, steps: int, stopped_early_at: int | None
+) -> None:
+    """With ``best_adapter_mode=max`` every evaluation after the first in-fit one (step 2) is worse, as the
+    loss falls: patience 1 stops at step 4, patience 2 at step 6, none runs the 8 steps."""
+    train, evals = write_text(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "module.lr=1e-2",
+                    "trainer.max_steps=8", "best_adapter_mode=max", f"early_stopping_patience={patience or 'null'}"], out)
+    assert summary["steps"] == steps and summary["stopped_early_at"] == stopped_early_at
+    assert (out / "adapter_best").is_dir() and (out / "adapter").is_dir()
+
+
 def test_best_adapter_null_writes_no_best_adapter(tmp_path: Path) -> None:
     train, evals = write_text(tmp_path)
     out = tmp_path / "run"

@@ -169,6 +169,7 @@ class FinetuneConfig:
     resume: Optional[str] = None
     best_adapter: Optional[str] = "val/loss"
     best_adapter_mode: str = "min"
+    early_stopping_patience: Optional[int] = None
     module: ModuleConfig = field(default_factory=lambda: OmegaConf.structured(ModuleConfig))
     trainer: TrainerConfig = field(default_factory=lambda: _open(TrainerConfig))
     lcsb: Optional[LCSBConfig] = None
@@ -193,6 +194,13 @@ class FinetuneConfig:
             context = int(model["config"]["max_position_embeddings"])
         if context is not None and self.seq_len > context >= 2:
             problems.append(f"seq_len={self.seq_len} is above the model's context of {context}: allowed: 2..{context}")
+        if self.early_stopping_patience is not None:
+            if self.best_adapter is None:
+                problems.append(
+                    f"early_stopping_patience={self.early_stopping_patience} watches best_adapter's metric, and "
+                    "best_adapter is null: allowed: a metric for best_adapter (val/loss), or early_stopping_patience=null"
+                )
+            _at_least(problems, "early_stopping_patience", self.early_stopping_patience, 1)
         _fail(problems)
         if self.best_adapter is not None:
             try:

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
@@ -136,7 +136,8 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
     """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
     freezing (``freeze`` group), a step timer, throughput logging, the
-    ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
+    ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), early stopping on the same metric
+    (``early_stopping_patience``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
     checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
 
@@ -149,6 +150,10 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         callbacks.append(BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min"))))
+    if cfg.get("early_stopping_patience") is not None:  # the config check made sure best_adapter names its metric
+        callbacks.append(EarlyStopping(monitor=str(cfg.best_adapter), mode=str(cfg.get("best_adapter_mode", "min")),
+                                       patience=int(cfg.early_stopping_patience), check_on_train_epoch_end=False,
+                                       verbose=True))
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
                                          save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
@@ -272,6 +277,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
     guard = next((cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard)), None)
     best = next((cb for cb in trainer.callbacks if isinstance(cb, BestAdapter)), None)
+    stopper = next((cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping)), None)
     steps = int(trainer.global_step)
     train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
@@ -283,6 +289,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         "final_metrics": final,
         "steps": steps,
         "resumed_from": str(checkpoint) if checkpoint is not None else None,
+        # the step early stopping ended the run at; None: it ran to its end (or had no early stopping)
+        "stopped_early_at": steps if stopper is not None and stopper.stopping_reason_message is not None else None,
         "divergence_events": list(guard.events) if guard is not None else [],
         "train_examples": len(prepared.data.train),
         "eval_examples": len(prepared.data.eval),
