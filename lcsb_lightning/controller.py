@@ -198,17 +198,11 @@ class LCSBController:
     def _remember_grads(self, chosen: set[int]) -> None:
         """``momentum="reuse"``: keep the raw gradients of the blocks this step trains (before clipping)."""
         for index in chosen:
-            previous = self.last_grads.get(index)
-            kept: list[torch.Tensor | None] = []
-            for position, p in enumerate(self.block_params.params_per_block[index]):
-                old = previous[position] if previous is not None else None
-                if p.grad is None:
-                    kept.append(old)
-                elif old is not None and old.shape == p.grad.shape:
-                    kept.append(old.copy_(p.grad))
-                else:
-                    kept.append(p.grad.detach().clone())
-            self.last_grads[index] = kept
+            params = self.block_params.params_per_block[index]
+            kept = self.last_grads.setdefault(index, [None] * len(params))
+            for position, p in enumerate(params):
+                if p.grad is not None:  # into the buffer of the last time: no allocation per step
+                    kept[position] = p.grad.detach().clone() if kept[position] is None else kept[position].copy_(p.grad)
 
     def update_multipliers(self) -> list[float]:
         """Per block, the factor ``update_scale`` multiplies its optimizer update by: ``sqrt(P)``, with ``P``

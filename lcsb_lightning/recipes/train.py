@@ -149,11 +149,11 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     callbacks: list[Any] = [cb for cb in (lcsb, _node(cfg, "freeze")) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
-        callbacks.append(BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min"))))
-    if cfg.get("early_stopping_patience") is not None:  # the config check made sure best_adapter names its metric
-        callbacks.append(EarlyStopping(monitor=str(cfg.best_adapter), mode=str(cfg.get("best_adapter_mode", "min")),
-                                       patience=int(cfg.early_stopping_patience), check_on_train_epoch_end=False,
-                                       verbose=True))
+        best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
+        callbacks.append(best)
+        if cfg.get("early_stopping_patience") is not None:  # watches what the best adapter is chosen by
+            callbacks.append(EarlyStopping(monitor=best.monitor, mode=best.mode, patience=int(cfg.early_stopping_patience),
+                                           check_on_train_epoch_end=False, verbose=True))
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
                                          save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
