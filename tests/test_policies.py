@@ -124,6 +124,23 @@ def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | 
     assert resumed.select(10) == policy.select(10)
 
 
+@pytest.mark.parametrize(("levels", "switch_every", "depths"), [
+    (4, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1, 2, 1]),
+    ({0: 4}, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1, 2, 1]),
+    ({0: 4, 6: 3, 9: 1}, 1, [8, 1, 2, 1, 4, 1, 4, 2, 8, 8, 8, 8]),  # deepens at steps 6 and 9
+    ({9: 1, 0: 4, 6: 3}, 1, [8, 1, 2, 1, 4, 1, 4, 2, 8, 8, 8, 8]),  # in any order
+    ({0: 3, 5: 2}, 2, [8, 8, 2, 2, 4, 4, 4, 4, 8, 8, 4, 4]),  # from the first round that starts at step 5 or later
+])
+def test_dyadic_levels_follow_their_schedule(levels: int | dict[int, int], switch_every: int, depths: list[int]) -> None:
+    policy = build_policy("dyadic", levels=levels, switch_every=switch_every)
+    policy.setup(num_blocks=8)
+    assert [len(policy.select(t)) for t in range(12)] == depths
+    resumed = build_policy("dyadic", levels=levels, switch_every=switch_every)
+    resumed.setup(num_blocks=8)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.select(12) == policy.select(12)
+
+
 def test_registry_lists_every_policy() -> None:
     assert available_policies() == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "random"]
 
@@ -142,6 +159,10 @@ def test_registry_lists_every_policy() -> None:
         (lambda: CyclicPolicy(layers_per_step=9).setup(8), "`layers_per_step=9` exceeds the model's 8 blocks; allowed: 1..8"),
         (lambda: build_policy("dyadic", full_after=-1), "`full_after` must be None or an optimizer step >= 0, got -1"),
         (lambda: build_policy("dyadic", full_after=2.5), "`full_after` must be None or an optimizer step >= 0, got 2.5"),
+        (lambda: build_policy("dyadic", levels=0), "`levels` must be an integer >= 1 or a schedule"),
+        (lambda: build_policy("dyadic", levels={3: 4}), r"the first of them 0, to integers >= 1 \(e\.g\. \{0: 5, 10: 4, 25: 3\}\), got \{3: 4\}\.$"),
+        (lambda: build_policy("dyadic", levels={0: 4, 5: 0}), "`levels` as a schedule must map optimizer steps >= 0"),
+        (lambda: build_policy("dyadic", levels={}), "`levels` as a schedule must map optimizer steps >= 0"),
     ],
 )
 def test_policy_errors(factory, match: str) -> None:
