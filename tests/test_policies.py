@@ -107,6 +107,17 @@ def test_full_and_freeze() -> None:
     assert {freeze.select(t) for t in range(10)} == {(3, 4)}
 
 
+def _assert_dyadic_depths(depths: list[int], **kwargs: object) -> None:
+    """A DyadicPolicy over 8 blocks selects ``depths`` blocks per step, and a resumed copy continues alike."""
+    policy = build_policy("dyadic", **kwargs)
+    policy.setup(num_blocks=8)
+    assert [len(policy.select(t)) for t in range(len(depths))] == depths
+    resumed = build_policy("dyadic", **kwargs)
+    resumed.setup(num_blocks=8)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.select(len(depths)) == policy.select(len(depths))
+
+
 @pytest.mark.parametrize(("full_after", "switch_every", "depths"), [
     (None, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1]),
     (3, 1, [8, 1, 2, 8, 8, 8, 8, 8, 8, 8]),
@@ -115,13 +126,7 @@ def test_full_and_freeze() -> None:
 ])
 def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | None, switch_every: int,
                                                              depths: list[int]) -> None:
-    policy = build_policy("dyadic", full_after=full_after, switch_every=switch_every)
-    policy.setup(num_blocks=8)
-    assert [len(policy.select(t)) for t in range(10)] == depths
-    resumed = build_policy("dyadic", full_after=full_after, switch_every=switch_every)
-    resumed.setup(num_blocks=8)
-    resumed.load_state_dict(policy.state_dict())
-    assert resumed.select(10) == policy.select(10)
+    _assert_dyadic_depths(depths, full_after=full_after, switch_every=switch_every)
 
 
 @pytest.mark.parametrize(("levels", "switch_every", "depths"), [
@@ -132,13 +137,7 @@ def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | 
     ({0: 3, 5: 2}, 2, [8, 8, 2, 2, 4, 4, 4, 4, 8, 8, 4, 4]),  # from the first round that starts at step 5 or later
 ])
 def test_dyadic_levels_follow_their_schedule(levels: int | dict[int, int], switch_every: int, depths: list[int]) -> None:
-    policy = build_policy("dyadic", levels=levels, switch_every=switch_every)
-    policy.setup(num_blocks=8)
-    assert [len(policy.select(t)) for t in range(12)] == depths
-    resumed = build_policy("dyadic", levels=levels, switch_every=switch_every)
-    resumed.setup(num_blocks=8)
-    resumed.load_state_dict(policy.state_dict())
-    assert resumed.select(12) == policy.select(12)
+    _assert_dyadic_depths(depths, levels=levels, switch_every=switch_every)
 
 
 def test_registry_lists_every_policy() -> None:
