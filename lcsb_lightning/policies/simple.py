@@ -99,19 +99,21 @@ class DyadicPolicy(SelectionPolicy):
         super().__init__(*args, **kwargs)
         #: ``(first step, levels)`` pairs in step order, the first at step 0
         self.levels_from = _levels_schedule(levels)
-        if full_after is not None and (isinstance(full_after, bool) or int(full_after) != full_after or full_after < 0):
+        if full_after is not None and not _is_whole(full_after, 0):
             raise ValueError(f"`full_after` must be None or an optimizer step >= 0, got {full_after!r}.")
-        self.levels = self.levels_from[0][1]
         self.full_after = None if full_after is None else int(full_after)
 
+    @property
+    def levels(self) -> int | dict[int, int]:
+        """The number of levels, or its schedule ``{first_step: levels}`` when it changes during the run."""
+        return self.levels_from[0][1] if len(self.levels_from) == 1 else dict(self.levels_from)
+
     def __repr__(self) -> str:
-        if len(self.levels_from) > 1:
-            return (f"DyadicPolicy(levels={dict(self.levels_from)}"
-                    + (f", full_after={self.full_after}" if self.full_after is not None else "")
-                    + f", switch_every={self.switch_every})")
-        depths = f", depths={[len(self._ruler(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
+        levels = self.levels
+        depths = (f", depths={[len(self._ruler(r, levels)) for r in range(2 ** (levels - 1))]}"
+                  if isinstance(levels, int) and self.num_blocks else "")
         then = f", full_after={self.full_after}" if self.full_after is not None else ""
-        return f"DyadicPolicy(levels={self.levels}{depths}{then}, switch_every={self.switch_every})"
+        return f"DyadicPolicy(levels={levels}{depths}{then}, switch_every={self.switch_every})"
 
     def _choose(self, round_index: int) -> list[int]:
         step = round_index * self.switch_every
@@ -120,8 +122,7 @@ class DyadicPolicy(SelectionPolicy):
         levels = next(count for first, count in reversed(self.levels_from) if first <= step)
         return self._ruler(round_index, levels)
 
-    def _ruler(self, round_index: int, levels: int | None = None) -> list[int]:
-        levels = self.levels if levels is None else levels
+    def _ruler(self, round_index: int, levels: int) -> list[int]:
         period = 2 ** (levels - 1)
         position = round_index % period
         halvings = (position & -position).bit_length() - 1 if position else levels - 1
@@ -129,20 +130,21 @@ class DyadicPolicy(SelectionPolicy):
         return list(range(self.num_blocks - depth, self.num_blocks))
 
 
+def _is_whole(value: Any, least: int) -> bool:
+    """``value`` is an integer (``4`` or ``4.0``, not ``True``) and at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and int(value) == value and value >= least
+
+
 def _levels_schedule(levels: int | Mapping[int, int]) -> list[tuple[int, int]]:
     """``levels`` as ``(first step, levels)`` pairs in step order; raises on a value that is not one."""
-
-    def is_int(value: Any, least: int) -> bool:
-        return not isinstance(value, bool) and isinstance(value, int) and value >= least
-
-    if isinstance(levels, Mapping):
-        schedule = sorted(levels.items())
-        if not schedule or any(not is_int(step, 0) or not is_int(count, 1) for step, count in schedule) or schedule[0][0] != 0:
-            raise ValueError(
-                f"`levels` as a schedule must map optimizer steps >= 0, the first of them 0, to integers >= 1 "
-                f"(e.g. {{0: 5, 10: 4, 25: 3}}), got {dict(levels)!r}."
-            )
-        return [(int(step), int(count)) for step, count in schedule]
-    if isinstance(levels, bool) or int(levels) != levels or levels < 1:
-        raise ValueError(f"`levels` must be an integer >= 1 or a schedule {{first_step: levels}}, got {levels!r}.")
-    return [(0, int(levels))]
+    if not isinstance(levels, Mapping):
+        if not _is_whole(levels, 1):
+            raise ValueError(f"`levels` must be an integer >= 1 or a schedule {{first_step: levels}}, got {levels!r}.")
+        return [(0, int(levels))]
+    schedule = sorted(levels.items())
+    if not schedule or schedule[0][0] != 0 or not all(_is_whole(s, 0) and _is_whole(c, 1) for s, c in schedule):
+        raise ValueError(
+            f"`levels` as a schedule must map optimizer steps >= 0, the first of them 0, to integers >= 1 "
+            f"(e.g. {{0: 5, 10: 4, 25: 3}}), got {dict(levels)!r}."
+        )
+    return [(int(step), int(count)) for step, count in schedule]
