@@ -358,7 +358,7 @@ def test_wallclock_steps_of_a_phased_arm_need_its_phases_timed(tmp_path: Path) -
         wallclock_steps(tmp_path, bench, wallclock, 200)
 
 
-def test_wallclock_steps_without_recipe_speed_use_the_recorded_median_step_times(tmp_path: Path) -> None:
+def test_wallclock_steps_without_recipe_speed_use_the_recorded_mean_step_times(tmp_path: Path) -> None:
     from lcsb_lightning.bench.runner import wallclock_steps
     from lcsb_lightning.bench.spec import Arm
 
@@ -369,7 +369,7 @@ def test_wallclock_steps_without_recipe_speed_use_the_recorded_median_step_times
         (folder / "result.json").write_text(json.dumps(
             {"curves": {"train_seconds": cumulative, "total_train_seconds": cumulative[-1]}}))
 
-    recorded("t1__full", [9.0] + [2.0] * 199)  # 400 s by its medians (a slow first step does not count)
+    recorded("t1__full", [9.0] + [2.0] * 199)  # 400 s by its means (the first step, a warm-up, does not count)
     recorded("t1__freeze", [2.0] * 100 + [1.0] * 100)  # 300 s; its second epoch (replayed) takes 1 s a step
     # the recipe_speed study is configured (as in benchmark=time_to_quality) but not run
     bench = {"studies": ["quality"], "recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": []}},
@@ -393,3 +393,109 @@ def test_each_task_of_a_preset_runs_alone_with_one_override(name: str) -> None:
                 assert [a.labels["task"] for a in studies["recipe_speed"]] == [task]
             for arm in arms:
                 compose(config_name="config", overrides=["data_dir=/data", *arm.overrides])
+
+
+# ------------------------------------------------------------------ recipe-loop step time over whole cycles
+def _steps(*totals: float) -> list[dict[str, float]]:
+    return [{"total": t, "backward": t / 2} for t in totals]
+
+
+DYADIC_CYCLE = _steps(3.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0)  # depths N, N/8, N/4, N/8, N/2, ...: one deep step
+
+
+@pytest.mark.parametrize(
+    ("rounds", "expected"),
+    [
+        ([DYADIC_CYCLE], 1.375),                                   # the cycle's mean; its median step says 1.0
+        ([DYADIC_CYCLE, DYADIC_CYCLE, _steps(*[9.0] * 8)], 1.375),  # a disturbed round does not count
+        ([_steps(2.0, 4.0), _steps(3.0, 3.0), _steps(1.0, 1.0)], 3.0),
+        ([_steps(5.0)], 5.0),
+    ],
+)
+def test_recipe_speed_step_time_is_the_mean_of_whole_cycles_median_over_rounds(rounds: list, expected: float) -> None:
+    from lcsb_lightning.bench.recipe_speed import summarize
+
+    summary = summarize(rounds)
+    assert summary["total"] == pytest.approx(expected)
+    assert summary["backward"] == pytest.approx(expected / 2)
+
+
+def test_recipe_speed_phases_missing_from_some_steps_average_over_the_others() -> None:
+    from lcsb_lightning.bench.recipe_speed import summarize
+
+    first_round = [{"total": 2.0}, {"total": 2.0, "between": 0.5}]  # the first timed step has no "between"
+    assert summarize([first_round, [{"total": 4.0, "between": 0.1}]]) == {"between": pytest.approx(0.3), "total": 3.0}
+
+
+@pytest.mark.parametrize(
+    ("policies", "steps_per_round", "match"),
+    [
+        ({"full": "full", "dyadic": "dyadic"}, 8, None),
+        ({"full": "full", "dyadic": "dyadic"}, 16, None),
+        ({"dyadic3": {"levels": 3}, "none": None}, 4, None),
+        ({"random": "random"}, 3, None),                           # no fixed cycle: nothing to cover
+        ({"dyadic": "dyadic"}, 7, r"`steps_per_round=7` does not cover whole cycles of arm 'dyadic'.*every 8.*"
+                                   r"Allowed: a multiple of 8\.$"),
+        ({"full": "full", "dyadic5": {"levels": 5}}, 8, r"arm 'dyadic5'.*repeat every 16"),
+        ({"deepening": {"levels": {0: 4, 24: 3}}}, 4, "repeat every 8"),
+        ({"full": "full"}, 0, r"`steps_per_round` must be an integer >= 1, got 0\."),
+    ],
+)
+def test_recipe_speed_rounds_cover_whole_policy_cycles(policies: dict, steps_per_round: int, match: str | None) -> None:
+    from lcsb_lightning.bench.recipe_speed import check_whole_cycles
+    from lcsb_lightning.policies import build_policy
+
+    def build(spec: Any) -> Any:
+        if spec is None:
+            return None
+        if isinstance(spec, dict):
+            return build_policy("dyadic", **spec)
+        return build_policy(spec, fraction=0.25) if spec == "random" else build_policy(spec)
+
+    built = {name: build(spec) for name, spec in policies.items()}
+    if match is None:
+        assert check_whole_cycles(built, steps_per_round) is None
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_whole_cycles(built, steps_per_round)
+
+
+def test_recipe_speed_refuses_a_cut_cycle_before_building_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.bench import recipe_speed
+    from lcsb_lightning.recipes import train
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("the model was built before the arms were checked")
+
+    monkeypatch.setattr(train, "prepare", refuse)
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        def compose_ft(overrides: Any) -> Any:
+            return compose(config_name="config", overrides=list(overrides))
+
+        with pytest.raises(ValueError, match="arm 'dyadic'"):
+            recipe_speed.time_task("pydoc", {"full": ["policy=full"], "dyadic": ["policy=dyadic"]}, ["model=tiny"],
+                                   compose_ft, rounds=1, steps_per_round=6, out_dir="unused")
+
+
+def test_recipe_speed_times_every_step_of_a_cycle_after_a_warm_up(tmp_path: Path) -> None:
+    import torch
+
+    from lcsb_lightning.bench import recipe_speed
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            def compose_ft(overrides: Any) -> Any:
+                return compose(config_name="config", overrides=list(overrides))
+
+            timing = recipe_speed.time_task(
+                "pydoc", {"full": ["policy=full"], "dyadic": ["policy=dyadic"]},
+                ["model=tiny", "seq_len=32", "task.max_train_examples=64", "trainer.log_every_n_steps=1"],
+                compose_ft, rounds=2, steps_per_round=8, out_dir=str(tmp_path))
+    finally:
+        torch.set_num_threads(before)
+    for name in ("full", "dyadic"):
+        assert [len(steps) for steps in timing["raw"][name]] == [8, 8]  # steps 1-8: one whole dyadic cycle
+        means = [sum(s["total"] for s in steps) / 8 for steps in timing["raw"][name]]
+        assert timing["arms"][name]["total"] == pytest.approx(sum(means) / 2)

@@ -29,7 +29,7 @@ def standard_on_tiny(bench: Any) -> Any:
                  "sst2": ["seq_len=128", "task.max_train_examples=50", "task.max_eval_examples=8"]}
     for study in (bench.recipe_speed, bench.quality):
         study.model, study.tasks, study.common, study.task_overrides = "tiny", tasks, [], overrides
-    bench.recipe_speed.rounds, bench.recipe_speed.steps_per_round = 1, 3
+    bench.recipe_speed.rounds, bench.recipe_speed.steps_per_round = 1, 8  # one dyadic cycle
     bench.quality.steps, bench.quality.eval_every, bench.quality.probe_every = 6, 3, 2
     return bench
 

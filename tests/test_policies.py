@@ -4,6 +4,7 @@ import pytest
 
 from lcsb_lightning.policies import (
     CyclicPolicy,
+    DyadicPolicy,
     FreezePolicy,
     FullPolicy,
     GradNormPolicy,
@@ -177,3 +178,31 @@ def test_select_before_setup_and_backwards_fail() -> None:
     policy.select(5)
     with pytest.raises(ValueError, match="went back in time"):
         policy.select(2)
+
+
+@pytest.mark.parametrize(
+    ("factory", "num_blocks", "cycle"),
+    [
+        (lambda: DyadicPolicy(), 30, 8),
+        (lambda: DyadicPolicy(levels=3), 30, 4),
+        (lambda: DyadicPolicy(levels=3, switch_every=2), 30, 8),
+        (lambda: DyadicPolicy(levels={0: 4, 24: 3}), 30, 8),
+        (lambda: DyadicPolicy(levels=5), 16, 16),
+        (lambda: FullPolicy(), 6, 1),
+        (lambda: FreezePolicy(layers_per_step=2), 6, 1),
+        (lambda: CyclicPolicy(layers_per_step=2), 6, 3),
+        (lambda: CyclicPolicy(layers_per_step=2, switch_every=3), 5, 9),
+    ],
+)
+def test_cycle_steps_is_the_period_of_the_selections(factory, num_blocks: int, cycle: int) -> None:
+    policy = factory()
+    policy.setup(num_blocks)
+    assert policy.cycle_steps == cycle
+    selections = [policy.select(t) for t in range(3 * cycle)]
+    assert selections[:cycle] == selections[cycle:2 * cycle] == selections[2 * cycle:]
+
+
+def test_cycle_steps_unknown_without_a_fixed_cycle_or_before_setup() -> None:
+    assert RandomPolicy(layers_per_step=2).cycle_steps is None
+    assert CyclicPolicy(layers_per_step=2).cycle_steps is None  # its number of groups needs the model's blocks
+    assert DyadicPolicy().cycle_steps == 8                      # known from its levels alone

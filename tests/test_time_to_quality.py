@@ -145,3 +145,13 @@ def test_steps_within_inverts_seconds(phases: tuple, seconds: float, steps: floa
     timed = PhasedStepTime(phases)
     assert timed.steps_within(seconds) == pytest.approx(steps)
     assert timed.seconds(timed.steps_within(seconds)) == pytest.approx(seconds)
+
+
+def test_a_runs_recorded_step_time_is_its_mean_not_its_median_step() -> None:
+    from lcsb_lightning.bench.time_to_quality import recorded_step_time
+
+    cycle = [3.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0]            # a dyadic cycle's one deep step and shallow ones
+    per_step = [10.0, *cycle[1:], *cycle * 5]                    # the first step, a warm-up, replaced by 10 s
+    times = [sum(per_step[: i + 1]) for i in range(len(per_step))]
+    (phase,) = recorded_step_time({"curves": {"train_seconds": times}}).phases
+    assert phase == (None, pytest.approx((sum(cycle) * 6 - 3.0) / 47))  # 1.367 s; the median step: 1.0 s

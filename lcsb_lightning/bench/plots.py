@@ -35,7 +35,7 @@ def loss_curves(results: Sequence[Mapping[str, Any]], step_seconds: Mapping[tupl
     """Eval loss by step and by training wall-clock, one row per task, with each task's time-to-quality
     target (``targets``: task -> eval loss) as a dotted line.
 
-    The wall-clock of step ``s`` is ``s`` times the arm's median step time in the recipe loop (the
+    The wall-clock of step ``s`` is ``s`` times the arm's step time in the recipe loop (the
     recipe_speed study, measured with the arms alternating), or the run's own train time without it.
     """
     tasks = list(dict.fromkeys(r["labels"]["task"] for r in results))
@@ -88,7 +88,7 @@ def alignment(results: Sequence[Mapping[str, Any]], path: Path, groups: int = 4)
 
 
 def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Stacked median step time per phase, per task and arm (recipe loop)."""
+    """Stacked step time per phase, per task and arm (recipe loop)."""
     from lcsb_lightning.bench.recipe_speed import PHASES as phases
     labels = [f"{r['task']}\n{r['arm']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 3.8))
@@ -98,7 +98,7 @@ def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         ax.bar(range(len(rows)), values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set(ylabel="seconds per step", title="recipe-loop step time by phase (medians)")
+    ax.set(ylabel="seconds per step", title="recipe-loop step time by phase")
     ax.legend(fontsize=7)
     return _save(fig, path)
 

@@ -5,7 +5,10 @@ arm fine-tunes ``steps_per_round`` optimizer steps through a fresh ``Trainer`` c
 ``lcsb-finetune`` configures it (its callbacks, logger, gradient clipping, logging interval), so a
 drift of the machine hits all arms alike. Every fit starts at epoch 0 of the recipe's seeded,
 per-epoch permutation, so every arm sees the same batches in the same order (their lengths vary on
-GSM8K and SST-2). The first step of each round is a warm-up and not counted.
+GSM8K and SST-2). Each round runs one warm-up step, not counted, then ``steps_per_round`` timed steps,
+a multiple of every arm's policy cycle: an arm's figure is the mean over a round's timed steps (a run's
+wall-clock is the sum of its steps, and a dyadic cycle's one full-depth step costs as much as several
+shallow ones), then the median over rounds (a round that a disturbance of the machine hit does not count).
 
 :class:`PhaseTimer` splits every step into the phases Lightning's hooks delimit, and times the LM
 head's forward and backward with module hooks:
@@ -126,17 +129,44 @@ class PhaseTimer(Callback):
         self._last_end = end
 
 
-def summarize(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Median of each phase over the timed steps (``total`` included)."""
-    keys = sorted({k for s in steps for k in s})
-    return {k: statistics.median([s[k] for s in steps if k in s]) for k in keys}
+def summarize(rounds: Sequence[Sequence[Mapping[str, float]]]) -> dict[str, float]:
+    """Each phase's (``total`` included) mean over every round's timed steps, then the median over rounds.
+
+    Example::
+
+        >>> cycle = [{"total": t} for t in (3.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0)]  # one dyadic cycle
+        >>> summarize([cycle, cycle, [{"total": 9.0}] * 8])  # the median of the steps would say 1.0
+        {'total': 1.375}
+    """
+    keys = sorted({k for steps in rounds for s in steps for k in s})
+    return {k: statistics.median([statistics.fmean(s[k] for s in steps if k in s) for steps in rounds
+                                  if any(k in s for s in steps)]) for k in keys}
+
+
+def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> None:
+    """Refuse a round that does not cover whole cycles of an arm's policy (``{arm: policy or None}``).
+
+    Raises:
+        ValueError: naming the arm, its cycle and ``steps_per_round``.
+    """
+    if isinstance(steps_per_round, bool) or int(steps_per_round) != steps_per_round or steps_per_round < 1:
+        raise ValueError(f"`steps_per_round` must be an integer >= 1, got {steps_per_round!r}.")
+    for name, policy in policies.items():
+        cycle = getattr(policy, "cycle_steps", None)
+        if cycle and steps_per_round % cycle:
+            raise ValueError(
+                f"`steps_per_round={steps_per_round}` does not cover whole cycles of arm {name!r}'s {policy!r}, "
+                f"whose steps repeat every {cycle}: the mean would over- or under-weight its deep steps. "
+                f"Allowed: a multiple of {cycle}."
+            )
 
 
 def time_task(
     task: str, arms: Mapping[str, Sequence[str]], common: Sequence[str], compose: Any, rounds: int, steps_per_round: int,
     out_dir: Any,
 ) -> dict[str, Any]:
-    """Alternate the arms of one task round by round; return each arm's phase medians and raw steps.
+    """Alternate the arms of one task round by round; return each arm's step time per phase (:func:`summarize`)
+    and the raw steps of every round.
 
     Args:
         task: The task option (``task=<task>``).
@@ -144,21 +174,27 @@ def time_task(
         common: Overrides of every arm (model, data, sequence length, ...).
         compose: Composes the fine-tuning config from overrides.
         rounds: Rounds over all arms.
-        steps_per_round: Optimizer steps per arm and round (the first is a warm-up).
+        steps_per_round: Timed optimizer steps per arm and round, after one warm-up step; a multiple of
+            every arm's policy cycle (:attr:`~lcsb_lightning.policies.SelectionPolicy.cycle_steps`).
         out_dir: Folder for the arms' TensorBoard logs.
-    """
-    from lcsb_lightning.recipes.train import build_trainer, make_loaders, prepare
 
+    Raises:
+        ValueError: ``steps_per_round`` does not cover whole cycles of an arm's policy (before any work).
+    """
+    from lcsb_lightning.recipes.train import build_group, build_trainer, make_loaders, prepare
+
+    configs = {name: compose([*common, f"task={task}", *overrides, f"trainer.max_steps={steps_per_round + 1}",
+                              "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=null",
+                              "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0"])
+               for name, overrides in arms.items()}
+    check_whole_cycles({name: build_group(cfg, "policy") for name, cfg in configs.items()}, steps_per_round)
     base_cfg: DictConfig = compose([*common, f"task={task}"])
     prepared = prepare(base_cfg)
     train_loader, _ = make_loaders(prepared.data, base_cfg, prepared.bundle.tokenizer)
-    raw: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+    raw: dict[str, list[list[dict[str, float]]]] = {name: [] for name in arms}
     load_before = list(os.getloadavg())
     for round_index in range(rounds):
-        for name, overrides in arms.items():
-            cfg = compose([*common, f"task={task}", *overrides, f"trainer.max_steps={steps_per_round}",
-                           "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=null",
-                           "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0"])
+        for name, cfg in configs.items():
             timer = PhaseTimer(prepared.module.model.get_base_model().get_output_embeddings())
             trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
             timer.wrap_clipping(trainer)
@@ -167,9 +203,9 @@ def time_task(
             finally:
                 timer.remove_hooks()
                 timer.unwrap_clipping(trainer)
-            raw[name].extend(timer.steps[1:])
+            raw[name].append(timer.steps[1:])
             log.info("recipe speed %s round %d/%d %s: %.3f s/step", task, round_index + 1, rounds, name,
-                     statistics.median([s["total"] for s in timer.steps[1:]] or [float("nan")]))
+                     statistics.fmean([s["total"] for s in timer.steps[1:]] or [float("nan")]))
     medians = {name: summarize(steps) for name, steps in raw.items()}
     return {"task": task, "arms": medians, "raw": raw, "loadavg_before": load_before,
             "loadavg_after": list(os.getloadavg()), "threads": torch.get_num_threads()}

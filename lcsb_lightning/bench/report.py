@@ -122,13 +122,14 @@ def probe_rows(results: Sequence[Mapping[str, Any]], groups: int = 4) -> list[Ro
 
 
 def recipe_speed_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
-    """One row per task x arm of the recipe-loop timing: median step time, speed-up, and its phases."""
+    """One row per task x arm of the recipe-loop timing: step time (the median over rounds of each round's mean
+    over whole policy cycles), speed-up, and its phases."""
     rows: list[Row] = []
     for r in results:
         arms = r["timing"]["arms"]
         base = arms.get(r["baseline"], {}).get("total")
         for name, phases in arms.items():
-            rows.append({"task": r["labels"]["task"], "arm": name, "median_s": phases.get("total"),
+            rows.append({"task": r["labels"]["task"], "arm": name, "step_s": phases.get("total"),
                          "speedup": base / phases["total"] if base and phases.get("total") else None,
                          "phases": {k: v for k, v in phases.items() if k != "total"},
                          "loadavg": [r["timing"].get("loadavg_before"), r["timing"].get("loadavg_after")]})
@@ -136,8 +137,8 @@ def recipe_speed_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
 
 
 def step_seconds(recipe_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], float]:
-    """``(task, arm) -> median recipe-loop step time``, the wall-clock axis of the loss plots."""
-    return {(r["task"], r["arm"]): r["median_s"] for r in recipe_rows if r.get("median_s")}
+    """``(task, arm) -> recipe-loop step time``, the wall-clock axis of the loss plots."""
+    return {(r["task"], r["arm"]): r["step_s"] for r in recipe_rows if r.get("step_s")}
 
 
 def speed_rows(timing: Mapping[str, Mapping[str, Any]]) -> list[Row]:
@@ -238,7 +239,7 @@ def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
     return ["## Time to quality", "",
             f"Target: {100 * share:.0f}% of full backprop's eval-loss improvement, L0 - {share:g} (L0 - L_full). "
             "Time to target: training wall-clock (steps x the arm's recipe-loop step time; without a recipe_speed "
-            "study, x its own recorded median step time, per epoch where the study sets steps_per_epoch) at which the eval loss "
+            "study, x its own recorded mean step time, per epoch where the study sets steps_per_epoch) at which the eval loss "
             "first reaches it, interpolated between evaluations; ratio < 1 is faster to quality than full backprop. "
             "At full backprop's wall-clock: the final eval loss of the arm's equal-wall-clock run (its schedule fitted "
             "to that time), or read off its equal-steps curve where it has none.", "",
@@ -284,9 +285,10 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
     if recipe:
         phase_names = [p for p in ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between",
                                    "lm_head_forward", "lm_head_backward") if any(p in r["phases"] for r in recipe)]
-        out += ["## Speed in the recipe's own training loop (medians, arms alternating in one process)", "",
+        out += ["## Speed in the recipe's own training loop (arms alternating in one process; per arm the median "
+                "over rounds of each round's mean over whole policy cycles)", "",
                 table(["task", "arm", "s/step", "speed-up", *phase_names],
-                      [[r["task"], r["arm"], _f(r["median_s"]), _f(r["speedup"], ".2f", "x"),
+                      [[r["task"], r["arm"], _f(r["step_s"]), _f(r["speedup"], ".2f", "x"),
                         *[_f(r["phases"].get(p)) for p in phase_names]] for r in recipe]), ""]
         loads = {r["task"]: r["loadavg"] for r in recipe if r.get("loadavg") and r["loadavg"][0]}
         out += [f"Load average (1, 5, 15 min) before -> after timing {task}: "

@@ -115,9 +115,9 @@ def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]
         result = load_result(root, arm)
         if result is None:
             continue
-        medians = result["timing"]["arms"]
-        base = medians.get(r["baseline"], {}).get("total")
-        out[arm.labels["task"]] = {name: base / m["total"] for name, m in medians.items() if base and m.get("total")}
+        timed = result["timing"]["arms"]
+        base = timed.get(r["baseline"], {}).get("total")
+        out[arm.labels["task"]] = {name: base / m["total"] for name, m in timed.items() if base and m.get("total")}
     return out
 
 
@@ -299,11 +299,11 @@ RUNNERS: dict[str, Callable[..., None]] = {
 
 def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tuple[str, str], StepTime]:
     """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``; without a
-    recipe_speed study, each quality arm's own recorded median step time (per epoch with ``steps_per_epoch``)."""
+    recipe_speed study, each quality arm's own recorded mean step time (per epoch with ``steps_per_epoch``)."""
     q = bench.get("quality") or {}
-    medians = report.step_seconds(tables.get("recipe_speed") or [])
-    out: dict[tuple[str, str], StepTime] = {**medians, **phased_step_times(q.get("arms") or {}, medians)}
-    if not medians:
+    timed = report.step_seconds(tables.get("recipe_speed") or [])
+    out: dict[tuple[str, str], StepTime] = {**timed, **phased_step_times(q.get("arms") or {}, timed)}
+    if not timed:
         for r in tables.get("_quality_raw") or []:
             if r["labels"].get("run") == "steps":
                 out.setdefault((r["labels"]["task"], r["labels"]["arm"]), recorded_step_time(r, q.get("steps_per_epoch")))

@@ -5,14 +5,15 @@ The target of a task is ``L0 - share * (L0 - L_full)``, with ``L0`` the eval los
 ``L_full`` full backprop's final eval loss. An arm reaches it at the first evaluation at or below it;
 the time in between two evaluations is interpolated linearly (evaluate often: every 25 steps or
 better, so that the interpolation does not decide the result). An arm's training wall-clock at step
-``s`` is ``s`` times its median step time in the recipe loop (the ``recipe_speed`` study, arms
-alternating in one process) or, without it, the run's own recorded median step time (per epoch, for runs
+``s`` is ``s`` times its mean step time in the recipe loop (the ``recipe_speed`` study, arms
+alternating in one process) or, without it, the run's own recorded mean step time (per epoch, for runs
 whose step changes from epoch to epoch: :func:`recorded_step_time`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,27 +58,28 @@ class PhasedStepTime:
 
 
 def recorded_step_time(result: Mapping[str, Any], steps_per_epoch: int | None = None) -> PhasedStepTime:
-    """A run's own step time, for runs without a ``recipe_speed`` timing: the median of its recorded train
+    """A run's own step time, for runs without a ``recipe_speed`` timing: the mean of its recorded train
     seconds per step over each epoch of ``steps_per_epoch`` steps (``None``: the whole run as one), the last
-    one continuing past the run. Medians, as in the recipe loop's timing: the first steps' warm-up and a
-    stray slow step do not count.
+    one continuing past the run. Means, as in the recipe loop's timing (a run's wall-clock is the sum of its
+    steps, and a dyadic cycle's deep steps are its slow ones); the run's first step, its warm-up, does not count.
 
     Example::
 
-        >>> run = {"curves": {"train_seconds": [5.0, 7.0, 9.0, 10.0, 11.0, 13.0]}}  # steps of 5, 2, 2 | 1, 1, 2 s
+        >>> run = {"curves": {"train_seconds": [5.0, 7.0, 9.0, 10.0, 11.0, 14.0]}}  # steps of 5, 2, 2 | 1, 1, 3 s
         >>> recorded_step_time(run, steps_per_epoch=3)
-        PhasedStepTime(phases=((3, 2.0), (None, 1.0)))
+        PhasedStepTime(phases=((3, 2.0), (None, 1.6666666666666667)))
         >>> recorded_step_time(run).phases
-        ((None, 2.0),)
+        ((None, 1.8),)
     """
     if steps_per_epoch is not None and steps_per_epoch < 1:
         raise ValueError(f"`steps_per_epoch={steps_per_epoch}` must be >= 1.")
     times = (0.0, *(float(t) for t in result["curves"]["train_seconds"]))
     durations = [b - a for a, b in zip(times, times[1:])]
     span = steps_per_epoch or len(durations)
-    chunks = [sorted(durations[i:i + span]) for i in range(0, len(durations), span)]
-    medians = [chunk[len(chunk) // 2] for chunk in chunks]
-    return PhasedStepTime(tuple((span if i < len(medians) - 1 else None, m) for i, m in enumerate(medians)))
+    chunks = [durations[i:i + span] for i in range(0, len(durations), span)]
+    chunks[0] = chunks[0][1:] or chunks[0]
+    means = [statistics.fmean(chunk) for chunk in chunks]
+    return PhasedStepTime(tuple((span if i < len(means) - 1 else None, m) for i, m in enumerate(means)))
 
 
 StepTime = float | PhasedStepTime
@@ -238,7 +240,7 @@ def ratios_by_share(
 
 
 def step_time_by_epoch(results: Sequence[Mapping[str, Any]], steps_per_epoch: int) -> list[Row]:
-    """Per arm (equal-steps runs), the median recorded train seconds per step of each epoch of ``steps_per_epoch``
+    """Per arm (equal-steps runs), the mean recorded train seconds per step of each epoch of ``steps_per_epoch``
     steps (:func:`recorded_step_time`), and the recorded total: where a run's step changes from epoch to epoch
     (``ProgressiveFreezing``).
 

@@ -90,6 +90,13 @@ class SelectionPolicy(ABC):
         """Hook for subclasses: build per-model state after ``num_blocks`` and ``k`` are known."""
 
     @property
+    def cycle_steps(self) -> int | None:
+        """Optimizer steps after which the selections repeat, so that any window of a multiple of them
+        holds every kind of step in its share (a timing over such windows is a run's mean step time);
+        ``None``: no fixed cycle, or one that needs :meth:`setup` first."""
+        return None
+
+    @property
     def num_groups(self) -> int:
         """Rounds needed to visit every block once with ``k`` blocks per round."""
         return math.ceil(self.num_blocks / self.k)

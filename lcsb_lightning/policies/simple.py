@@ -32,6 +32,10 @@ class CyclicPolicy(SelectionPolicy):
         if self.descending:
             self.groups.reverse()
 
+    @property
+    def cycle_steps(self) -> int | None:
+        return self.num_groups * self.switch_every if self.num_blocks else None
+
     def _choose(self, round_index: int) -> list[int]:
         return self.groups[round_index % len(self.groups)]
 
@@ -41,6 +45,7 @@ class FullPolicy(SelectionPolicy):
     """Every block, every step: the full-backprop baseline through the same code path."""
 
     needs_size = False
+    cycle_steps = 1
 
     def _choose(self, round_index: int) -> list[int]:
         return list(range(self.num_blocks))
@@ -49,6 +54,8 @@ class FullPolicy(SelectionPolicy):
 @register_policy("freeze")
 class FreezePolicy(SelectionPolicy):
     """Only the top ``k`` blocks ever train (the paper's Freeze baseline); the rest stay frozen."""
+
+    cycle_steps = 1
 
     def _choose(self, round_index: int) -> list[int]:
         return list(range(self.num_blocks - self.k, self.num_blocks))
@@ -107,6 +114,12 @@ class DyadicPolicy(SelectionPolicy):
     def levels(self) -> int | dict[int, int]:
         """The number of levels, or its schedule ``{first_step: levels}`` when it changes during the run."""
         return self.levels_from[0][1] if len(self.levels_from) == 1 else dict(self.levels_from)
+
+    @property
+    def cycle_steps(self) -> int:
+        """The longest ruler's period (every window of a multiple of it, within one entry of the schedule, holds
+        each depth in its share)."""
+        return max(2 ** (levels - 1) for _, levels in self.levels_from) * self.switch_every
 
     def __repr__(self) -> str:
         levels = self.levels

@@ -107,7 +107,7 @@ def _tokens(batch: Any) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def _node(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+def build_group(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
     """The instantiated config group ``key`` (with ``kwargs``), or None where the option has no ``_target_`` (``none``)."""
     node = cfg.get(key)
     return build(node, **kwargs) if node is not None and "_target_" in node else None
@@ -144,9 +144,9 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
     """
-    policy = _node(cfg, "policy")
-    lcsb = _node(cfg, "lcsb", policy=policy) if policy is not None else None
-    callbacks: list[Any] = [cb for cb in (lcsb, _node(cfg, "freeze")) if cb is not None]
+    policy = build_group(cfg, "policy")
+    lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
+    callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
     callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
@@ -158,14 +158,14 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
         callbacks.append(ModelCheckpoint(dirpath=Path(output_dir) / CHECKPOINT_DIR, filename="step-{step}", save_top_k=0,
                                          save_last=True, every_n_train_steps=int(cfg.get("checkpoint_every", 50))))
         callbacks.append(PreemptionCheckpoint(Path(output_dir) / CHECKPOINT_DIR / LAST))
-    guard = _node(cfg, "guard")
+    guard = build_group(cfg, "guard")
     if guard is not None:
         callbacks.append(guard)
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
     plugins: list[Any] = [AtomicCheckpointIO()]
-    mebp = _node(cfg, "mebp", precision=mebp_precision(cfg))
+    mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     if mebp is not None:
         plugins.append(mebp)
     extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin takes trainer.precision
