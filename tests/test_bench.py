@@ -499,3 +499,25 @@ def test_recipe_speed_times_every_step_of_a_cycle_after_a_warm_up(tmp_path: Path
         assert [len(steps) for steps in timing["raw"][name]] == [8, 8]  # steps 1-8: one whole dyadic cycle
         means = [sum(s["total"] for s in steps) / 8 for steps in timing["raw"][name]]
         assert timing["arms"][name]["total"] == pytest.approx(sum(means) / 2)
+
+
+@pytest.mark.parametrize(
+    ("times", "cycle", "expected"),
+    [
+        ([4.0, 1.0, 1.0, 1.0] * 3, 4, 1.75),            # a cyclic arm whose bottom group's step reaches every block
+        ([4.0, 1.0, 1.0, 1.0] * 2 + [30.0] * 4, 4, 1.75),  # a disturbed cycle does not count
+        ([1.0, 4.0, 1.0, 1.0, 1.0], 4, 1.75),            # any window of a whole cycle; the leftover step is left out
+        ([2.0, 2.0, 5.0], 1, 2.0),                       # constant cost: the median step
+    ],
+)
+def test_speed_study_step_time_is_the_mean_of_whole_cycles(times: list, cycle: int, expected: float) -> None:
+    from lcsb_lightning.bench.speed import whole_cycle_step_time
+
+    assert whole_cycle_step_time(times, cycle) == pytest.approx(expected)
+
+
+def test_speed_study_refuses_fewer_steps_than_a_cycle() -> None:
+    from lcsb_lightning.bench.speed import whole_cycle_step_time
+
+    with pytest.raises(ValueError, match="3 timed steps do not cover one cycle of 4 steps"):
+        whole_cycle_step_time([1.0, 2.0, 3.0], 4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -98,14 +98,38 @@ class ArmStepper:
         return time.perf_counter() - start
 
 
+def whole_cycle_step_time(times: Sequence[float], cycle: int) -> float:
+    """The median over consecutive windows of ``cycle`` steps of their mean (steps past the last whole window
+    are left out): a run pays each kind of step in its share, and a disturbed window does not count.
+
+    Example::
+
+        >>> whole_cycle_step_time([3.0, 1.0, 3.0, 1.0, 9.0, 9.0, 2.0], cycle=2)  # the median step says 3.0
+        2.0
+
+    Raises:
+        ValueError: fewer than ``cycle`` steps.
+    """
+    if len(times) < cycle:
+        raise ValueError(f"{len(times)} timed steps do not cover one cycle of {cycle} steps: time at least {cycle}.")
+    windows = [statistics.fmean(times[i:i + cycle]) for i in range(0, len(times) - cycle + 1, cycle)]
+    return statistics.median(windows)
+
+
 def time_arms(
     model: nn.Module, fractions: Mapping[str, float], seq_len: int, steps: int, warmup: int = 1,
     chunk_size: int | None = 64, vocab: int = 256, log: Callable[[str], None] = print, backward: str = "identity",
 ) -> dict[str, Any]:
-    """Median step time per arm, the arms alternating step by step in this process.
+    """Step time per arm, the arms alternating step by step in this process: the median over consecutive
+    whole cycles of the arm's policy of their mean step time (:func:`whole_cycle_step_time`; with
+    ``backward="all_reached"`` a cyclic arm's step costs more the lower its group).
 
     Returns:
-        ``{"arms": {name: {"median_s", "steps_per_s", "times", "k"}}, "forward_median_s", "num_blocks", "loadavg"}``.
+        ``{"arms": {name: {"median_s", "steps_per_s", "times", "k"}}, "forward_median_s", "num_blocks", "loadavg"}``
+        (``median_s``: that step time).
+
+    Raises:
+        ValueError: ``steps`` is shorter than an arm's cycle.
     """
     tokens = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
     stepper = ArmStepper(model, fractions, tokens, chunk_size, backward)
@@ -120,10 +144,8 @@ def time_arms(
             times[name].append(stepper.step(name))
         forward.append(stepper.forward_only())
         log(f"  round {i + 1}/{steps}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
-    arms = {
-        name: {"median_s": statistics.median(t), "steps_per_s": 1.0 / statistics.median(t), "times": t,
-               "k": stepper.k.get(name)}
-        for name, t in times.items()
-    }
+    per_step = {name: whole_cycle_step_time(t, stepper.policies[name].cycle_steps or 1) for name, t in times.items()}
+    arms = {name: {"median_s": per_step[name], "steps_per_s": 1.0 / per_step[name], "times": t, "k": stepper.k.get(name)}
+            for name, t in times.items()}
     return {"arms": arms, "forward_median_s": statistics.median(forward), "num_blocks": stepper.num_blocks,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "threads": torch.get_num_threads()}
