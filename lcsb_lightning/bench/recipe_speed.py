@@ -206,6 +206,5 @@ def time_task(
             raw[name].append(timer.steps[1:])
             log.info("recipe speed %s round %d/%d %s: %.3f s/step", task, round_index + 1, rounds, name,
                      statistics.fmean([s["total"] for s in timer.steps[1:]] or [float("nan")]))
-    medians = {name: summarize(steps) for name, steps in raw.items()}
-    return {"task": task, "arms": medians, "raw": raw, "loadavg_before": load_before,
-            "loadavg_after": list(os.getloadavg()), "threads": torch.get_num_threads()}
+    return {"task": task, "arms": {name: summarize(steps) for name, steps in raw.items()}, "raw": raw,
+            "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()), "threads": torch.get_num_threads()}
