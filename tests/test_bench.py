@@ -521,3 +521,22 @@ def test_speed_study_refuses_fewer_steps_than_a_cycle() -> None:
 
     with pytest.raises(ValueError, match="3 timed steps do not cover one cycle of 4 steps"):
         whole_cycle_step_time([1.0, 2.0, 3.0], 4)
+
+
+def test_speed_study_refuses_too_few_steps_before_timing() -> None:
+    import torch
+
+    from lcsb_lightning.bench import speed
+
+    config = {"_target_": "transformers.LlamaConfig", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = speed.build_model(config, fmt="int4", rank=2, seed=0, group_size=32)
+    timed: list[str] = []  # the log gets a line per timed round
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(ValueError, match=r"`steps=2` do not cover one cycle .*'cyclic': 4.*at least 4 steps"):
+            speed.time_arms(model, {"full": 1.0, "cyclic": 0.25}, seq_len=8, steps=2, vocab=64, log=timed.append)
+    finally:
+        torch.set_num_threads(before)
+    assert timed == []  # refused after the warm-up (which sets the policies up), before the first timed round

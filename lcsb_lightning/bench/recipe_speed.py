@@ -144,7 +144,9 @@ def summarize(rounds: Sequence[Sequence[Mapping[str, float]]]) -> dict[str, floa
 
 
 def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> None:
-    """Refuse a round that does not cover whole cycles of an arm's policy (``{arm: policy or None}``).
+    """Refuse a round that does not cover whole cycles of an arm's policy (``{arm: policy or None}``). A
+    policy whose cycle needs the model's blocks (``cycle_steps`` is None before ``setup``: cyclic) is not
+    checked.
 
     Raises:
         ValueError: naming the arm, its cycle and ``steps_per_round``.

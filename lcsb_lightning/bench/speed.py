@@ -129,7 +129,7 @@ def time_arms(
         (``median_s``: that step time).
 
     Raises:
-        ValueError: ``steps`` is shorter than an arm's cycle.
+        ValueError: ``steps`` is shorter than an arm's cycle (after the warm-up steps, before any timing).
     """
     tokens = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
     stepper = ArmStepper(model, fractions, tokens, chunk_size, backward)
@@ -139,12 +139,16 @@ def time_arms(
     for _ in range(warmup):
         for name in fractions:
             stepper.step(name)
+    cycles = {name: stepper.policies[name].cycle_steps or 1 for name in fractions}  # known once set up
+    if any(steps < cycle for cycle in cycles.values()):
+        raise ValueError(f"`steps={steps}` do not cover one cycle of every arm's policy ({cycles}): time at least "
+                         f"{max(cycles.values())} steps.")
     for i in range(steps):
         for name in fractions:
             times[name].append(stepper.step(name))
         forward.append(stepper.forward_only())
         log(f"  round {i + 1}/{steps}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
-    per_step = {name: whole_cycle_step_time(t, stepper.policies[name].cycle_steps or 1) for name, t in times.items()}
+    per_step = {name: whole_cycle_step_time(t, cycles[name]) for name, t in times.items()}
     arms = {name: {"median_s": per_step[name], "steps_per_s": 1.0 / per_step[name], "times": t, "k": stepper.k.get(name)}
             for name, t in times.items()}
     return {"arms": arms, "forward_median_s": statistics.median(forward), "num_blocks": stepper.num_blocks,
