@@ -60,6 +60,29 @@ def test_rows_give_the_ratio_to_full_and_the_loss_at_full_wallclock() -> None:
     assert rows["never"]["loss_at_full_wallclock"] is None  # its curve ends at 100 s, before full's 200 s
 
 
+def test_the_ratio_splits_into_more_steps_times_cheaper_steps() -> None:
+    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST, NEVER])}
+    # full reaches 2.2 at step 75, fast at 116.67: 1.56x the steps at half the step time = 0.78x the time
+    assert rows["full"]["steps_ratio"] == pytest.approx(1.0) and rows["full"]["step_time_ratio"] == pytest.approx(1.0)
+    assert rows["fast"]["steps_ratio"] == pytest.approx(116.6667 / 75.0, rel=1e-4)
+    assert rows["fast"]["step_time_ratio"] == pytest.approx(0.5)
+    assert rows["fast"]["steps_ratio"] * rows["fast"]["step_time_ratio"] == pytest.approx(rows["fast"]["ratio_to_full"])
+    assert rows["never"]["steps_ratio"] is None and rows["never"]["step_time_ratio"] is None
+    text = report.markdown({"time_to_quality": list(rows.values())}, {"name": "t"})
+    assert "| 1.56x | 0.50x |" in text
+
+
+def test_a_phased_arms_step_time_ratio_is_its_mean_up_to_the_target() -> None:
+    from lcsb_lightning.bench.time_to_quality import PhasedStepTime
+
+    switch = _result("switch", "switch", {0: 4.0, 25: 3.4, 50: 3.0, 75: 2.4, 100: 2.1}, 1.0)
+    times = {("wikitext2", "full"): 2.0, ("wikitext2", "switch"): PhasedStepTime(((50, 1.0), (None, 2.0)))}
+    row = {r["arm"]: r for r in time_to_quality_rows([FULL, switch], times)}["switch"]
+    # 91.67 steps to the target in 133.3 s: 0.727 of full backprop's 2 s a step on average
+    assert row["steps_ratio"] == pytest.approx(91.6667 / 75.0, rel=1e-4)
+    assert row["step_time_ratio"] == pytest.approx((50 + 2 * 41.6667) / 91.6667 / 2.0, rel=1e-4)
+
+
 def test_recipe_loop_step_times_replace_the_recorded_ones() -> None:
     rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST], {("wikitext2", "full"): 1.0, ("wikitext2", "fast"): 1.0})}
     assert rows["full"]["reach_seconds"] == pytest.approx(75.0)

@@ -169,6 +169,10 @@ def time_to_quality_rows(
     as a ratio to full backprop's time (below 1: faster to quality), and its final eval loss when it
     trains for full backprop's wall-clock with its own schedule fitted to it (its ``wallclock`` twin).
 
+    The ratio splits into ``steps_ratio`` (its steps to the target over full backprop's: how much less it
+    learns per step) times ``step_time_ratio`` (its mean step time up to the target over full backprop's:
+    how much cheaper its steps are), so a row says which of the two decides it.
+
     Raises:
         ValueError: ``share`` is not in (0, 1].
     """
@@ -201,6 +205,7 @@ def time_to_quality_rows(
             "reach_step": None if arm_reach is None else arm_reach[0],
             "reach_seconds": None if arm_reach is None else arm_reach[1],
             "ratio_to_full": (arm_reach[1] / base_reach[1]) if arm_reach and base_reach and base_reach[1] > 0 else None,
+            **_ratio_factors(arm_reach, base_reach),
             "loss_at_full_wallclock": twin_curve[-1][2] if twin_curve else (
                 full_final if r["name"] == base["name"] else loss_at(curve, full_seconds)),
             "at_full_wallclock_from": "own schedule" if twin_curve or r["name"] == base["name"] else "equal-steps curve",
@@ -208,6 +213,14 @@ def time_to_quality_rows(
             "eval_points": len(curve),
         })
     return rows
+
+
+def _ratio_factors(arm_reach: tuple[float, float] | None, base_reach: tuple[float, float] | None) -> Row:
+    if not arm_reach or not base_reach or min(*arm_reach, *base_reach) <= 0:
+        return {"steps_ratio": None, "step_time_ratio": None}
+    (arm_steps, arm_seconds), (base_steps, base_seconds) = arm_reach, base_reach
+    return {"steps_ratio": arm_steps / base_steps,
+            "step_time_ratio": (arm_seconds / arm_steps) / (base_seconds / base_steps)}
 
 
 def _mean_step_seconds(per_step: StepTime | None, steps: int) -> float | None:
