@@ -51,6 +51,42 @@ class Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+@pytest.fixture
+def sigint_default() -> Any:
+    """Ctrl-C as an interactive Python process has it, whatever the process running the tests inherited (a
+    background job of a script starts with SIGINT ignored); the handler before is put back afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield signal.default_int_handler
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def sigint_ignored() -> Any:
+    """SIGINT ignored, as in a background job of a non-interactive shell or under ``nohup``."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield signal.SIG_IGN
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("fixture", ["sigint_default", "sigint_ignored"])
+def test_an_ignored_signal_stays_ignored_and_every_handler_is_given_back(request: pytest.FixtureRequest,
+                                                                         tmp_path: Path, fixture: str) -> None:
+    from lcsb_lightning.recipes.checkpointing import PreemptionCheckpoint
+
+    sigint_before, sigterm_before = request.getfixturevalue(fixture), signal.getsignal(signal.SIGTERM)
+    callback = PreemptionCheckpoint(tmp_path / "last.ckpt")
+    callback.on_train_start(None, None)
+    try:
+        assert signal.getsignal(signal.SIGTERM) == callback._handle
+        if sigint_before is signal.SIG_IGN:  # the process was told to ignore it: a Ctrl-C meant for others
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        else:
+            assert signal.getsignal(signal.SIGINT) == callback._handle
+    finally:
+        callback.teardown(None, None, "fit")
+    assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
+
+
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -80,7 +116,8 @@ def _assert_same_end(out: Path, resumed: dict[str, Any], reference: tuple[Path, 
 
 
 @pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
-def test_signal_writes_a_checkpoint_and_resume_continues_exactly(tmp_path: Path, reference, name: str, code: int) -> None:
+def test_signal_writes_a_checkpoint_and_resume_continues_exactly(tmp_path: Path, reference, sigint_default: Any,
+                                                                 name: str, code: int) -> None:
     out = tmp_path / "run"
     cfg = compose_cfg(OVERRIDES)
     stopped = Losses(getattr(signal, name))
@@ -90,7 +127,7 @@ def test_signal_writes_a_checkpoint_and_resume_continues_exactly(tmp_path: Path,
     assert _step(out / "checkpoints" / "last.ckpt") == SIGNAL_AT and len(stopped.losses) == SIGNAL_AT
     assert not (out / "summary.json").exists() and not (out / "adapter").exists()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]  # written atomically
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+    assert signal.getsignal(signal.SIGINT) is sigint_default  # the handlers are given back
 
     cfg.resume = str(out)
     resumed = Losses()

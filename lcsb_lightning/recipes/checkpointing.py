@@ -153,7 +153,8 @@ class PreemptionCheckpoint(Checkpoint):
     Under DDP the ranks decide together at that point (any rank signalled: all save and stop), so a
     signal to one process suffices. During training this replaces Lightning's own SIGTERM handler, whose
     cross-rank broadcast from inside the handler can pair with another collective and hang the ranks.
-    A second Ctrl-C interrupts at once. A ``Checkpoint`` callback, it runs after the other callbacks'
+    A second Ctrl-C interrupts at once. A signal the process ignores when training starts (SIGINT in a
+    background job of a script or under ``nohup``) stays ignored. A ``Checkpoint`` callback, it runs after the other callbacks'
     ``on_train_batch_end`` (as ``ModelCheckpoint`` does), so its checkpoint holds what theirs would.
 
     Args:
@@ -172,7 +173,10 @@ class PreemptionCheckpoint(Checkpoint):
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.getsignal(signum)
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:  # nohup or a script's background job: the signal is not for this run
+                continue
+            self._previous[signum] = previous
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
