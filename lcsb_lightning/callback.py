@@ -16,6 +16,7 @@ from lcsb_lightning.policies import SelectionPolicy, available_policies, build_p
 from lcsb_lightning.probe import ProbeResult, probe_gradients
 from lcsb_lightning.selective import DEPRECATED_BACKWARD_MODES
 from lcsb_lightning.selection_image import probe_image, selection_image
+from lcsb_lightning.validation import check_int
 
 _PROBES_KEPT = 10_000
 
@@ -130,9 +131,8 @@ class LCSBCallback(FitScopedCallback):
         momentum_below: str | None = "skip",
     ) -> None:
         backward = validate_modes(backward, momentum, update_scale, momentum_below)
-        for name, value in (("log_every_n_steps", log_every_n_steps), ("probe_every", probe_every)):
-            if isinstance(value, bool) or int(value) != value or value < 0:
-                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 0)
+        self.probe_every = check_int("probe_every", probe_every, 0)
         if isinstance(policy, SelectionPolicy):
             if layers_per_step is not None or fraction is not None:
                 raise ValueError(
@@ -150,8 +150,6 @@ class LCSBCallback(FitScopedCallback):
             raise TypeError(f"`policy` must be a name or a SelectionPolicy, got {type(policy).__name__}.")
         self.backward, self.momentum, self.blocks, self.update_scale = backward, momentum, blocks, update_scale
         self.momentum_below = momentum_below
-        self.log_every_n_steps = int(log_every_n_steps)
-        self.probe_every = int(probe_every)
         self.probe_results: deque[ProbeResult] = deque(maxlen=_PROBES_KEPT)
         self._probe_batch: tuple[Any, int] | None = None
         self.controller: LCSBController | None = None

@@ -15,6 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lcsb_lightning.validation import check_int
+
 ACTIONS = ("skip", "rollback", "stop")
 
 
@@ -90,14 +92,9 @@ class DivergenceGuard(Callback):
             raise ValueError(f"`spike_factor` must be > 1, got {spike_factor!r}.")
         if not 0 < lr_factor <= 1:
             raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
-        for name, value in (("window", window), ("snapshot_every", snapshot_every), ("patience", patience)):
-            if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if isinstance(warmup, bool) or int(warmup) != warmup or warmup < 0:
-            raise ValueError(f"`warmup` must be an integer >= 0, got {warmup!r}.")
         self.action, self.spike_factor, self.lr_factor = action, float(spike_factor), float(lr_factor)
-        self.window, self.warmup, self.snapshot_every = int(window), int(warmup), int(snapshot_every)
-        self.patience = int(patience)
+        self.window, self.warmup = check_int("window", window, 1), check_int("warmup", warmup, 0)
+        self.snapshot_every, self.patience = check_int("snapshot_every", snapshot_every, 1), check_int("patience", patience, 1)
         self.events: list[dict[str, Any]] = []
         self._losses: deque[float] = deque(maxlen=self.window)
         self._loss: float | None = None

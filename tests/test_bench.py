@@ -437,7 +437,6 @@ def test_recipe_speed_phases_missing_from_some_steps_average_over_the_others() -
         ({"dyadic": "dyadic"}, 7, r"`steps_per_round=7` does not cover whole cycles of arm 'dyadic'.*every 8.*"
                                    r"Allowed: a multiple of 8\.$"),
         ({"full": "full", "dyadic5": {"levels": 5}}, 8, r"arm 'dyadic5'.*repeat every 16"),
-        ({"deepening": {"levels": {0: 4, 24: 3}}}, 4, "repeat every 8"),
         ({"full": "full"}, 0, r"`steps_per_round` must be an integer >= 1, got 0\."),
     ],
 )

@@ -17,6 +17,7 @@ MODULES = [
     "lcsb_lightning.bench.spec",
     "lcsb_lightning.forward_wrap",
     "lcsb_lightning.recipes.config",
+    "lcsb_lightning.validation",
 ]
 
 

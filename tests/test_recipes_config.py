@@ -71,7 +71,6 @@ def test_policy_options_instantiate(name: str) -> None:
     (["policy=random", "policy.fraction=0.5"], "fraction", 0.5),
     (["policy=grad_norm", "policy.layers_per_step=3", "policy.fraction=null"], "layers_per_step", 3),
     (["policy=dyadic", "policy.levels=3"], "levels", 3),
-    (["policy=dyadic", "policy.levels={0:4,24:3}"], "levels_from", [(0, 4), (24, 3)]),
     (["policy=freeze", "policy.switch_every=2"], "switch_every", 2),
 ])
 def test_policy_overrides_read_the_same_for_every_policy(overrides: list[str], key: str, value: object) -> None:

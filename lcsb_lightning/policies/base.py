@@ -6,6 +6,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, TypeVar
 
+from lcsb_lightning.validation import check_int
+
 Selection = tuple[int, ...]
 
 
@@ -51,15 +53,13 @@ class SelectionPolicy(ABC):
             )
         if self.needs_size and layers_per_step is None and fraction is None:
             raise ValueError(f"{type(self).__name__} needs `layers_per_step=k` or `fraction=f`; got neither.")
-        if layers_per_step is not None and (isinstance(layers_per_step, bool) or int(layers_per_step) != layers_per_step or layers_per_step < 1):
-            raise ValueError(f"`layers_per_step` must be an integer >= 1, got {layers_per_step!r}.")
+        if layers_per_step is not None:
+            layers_per_step = check_int("layers_per_step", layers_per_step, 1)
         if fraction is not None and not (0.0 < float(fraction) <= 1.0):
             raise ValueError(f"`fraction` must be in (0, 1], got {fraction!r}.")
-        if isinstance(switch_every, bool) or int(switch_every) != switch_every or switch_every < 1:
-            raise ValueError(f"`switch_every` must be an integer >= 1, got {switch_every!r}.")
-        self.layers_per_step = None if layers_per_step is None else int(layers_per_step)
+        self.layers_per_step = layers_per_step
         self.fraction = None if fraction is None else float(fraction)
-        self.switch_every = int(switch_every)
+        self.switch_every = check_int("switch_every", switch_every, 1)
         self.seed = int(seed)
         self.num_blocks = 0
         self.k = 0
