@@ -8,7 +8,7 @@ full fine-tuning without LoRA. Arms alternate within each round, in one process;
 the mean step time over one dyadic cycle (8 optimizer steps) after ``--warmup`` steps::
 
     python benchmarks/user_setups.py --rounds 2
-    python benchmarks/user_setups.py --rounds 3 --lcsb-kwargs '{"momentum": "skip"}'
+    python benchmarks/user_setups.py --rounds 3 --lcsb-kwargs '{"unreached": "implicit"}'
 
 It prints one line per measurement, then a markdown table with the speed-ups and the load average.
 """
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lcsb-kwargs", type=json.loads, default={}, metavar="JSON",
-                        help='keyword arguments of LCSBCallback, e.g. \'{"momentum": "skip"}\' (default: none)')
+                        help='keyword arguments of LCSBCallback, e.g. \'{"unreached": "implicit"}\' (default: none)')
     parser.add_argument("--out", type=Path, default=None, help="write results.json and results.md into this folder")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:

@@ -14,11 +14,12 @@ from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
-from lcsb_lightning.selective import DEPRECATED_BACKWARD_MODES
 from lcsb_lightning.selection_image import probe_image, selection_image
 from lcsb_lightning.validation import check_int
 
 _PROBES_KEPT = 10_000
+#: The backward modes' names in 0.4, which a 0.4 checkpoint's state key for this callback holds.
+_BACKWARD_NAMES_OF_0_4 = {"exact": "selected_only", "truncated": "all_reached"}
 
 
 #: Strategies whose parameter partitioning the zero-gradient path cannot serve, and what to use instead.
@@ -59,28 +60,31 @@ class LCSBCallback(FitScopedCallback):
 
     Args:
         policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``,
-            ``"full"``, ``"freeze"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
+            ``"full"``, ``"top_only"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
         layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
-            cyclic, random, grad_norm, freeze).
+            cyclic, random, grad_norm, top_only).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
         backward: ``"all_reached"``: the backward runs exactly from the top down to the lowest selected
             block and stops there, and every block it reaches trains with its exact gradient (it costs
             their LoRA weight gradients, rank-r matmuls, and nothing below). ``"selected_only"``: the
-            same backward, but only the selected blocks train. ``"truncated"`` and ``"exact"``, their
-            names before 0.5, are deprecated aliases. ``"identity"`` (the paper's): a non-selected
-            block runs under ``no_grad`` and its output enters the graph with an identity Jacobian, so
-            it costs no backward, no recompute and no weight decompression, but the gradients of the
-            blocks below it are approximations (poor ones on deep models: docs/results.md).
-        momentum: ``"implicit"`` (the paper's): non-selected parameters keep a zero gradient, so AdamW
-            momentum and weight decay keep moving them. ``"skip"``: their
-            gradient stays ``None`` and the optimizer skips them (LISA). ``"reset"``: like ``"skip"``,
-            and a block's optimizer state is dropped when it leaves the selection (BAdam). ``"reuse"``:
-            a non-selected block gets the raw gradient of the last step that trained it, so AdamW updates
-            it at every step as if its gradient had not changed since (one copy of the trainable block
-            parameters' gradients, kept in the checkpoint).
+            same backward, but only the selected blocks train. ``"identity"`` (the paper's): a
+            non-selected block runs under ``no_grad`` and its output enters the graph with an identity
+            Jacobian, so it costs no backward, no recompute and no weight decompression, but the
+            gradients of the blocks below it are approximations (poor ones on deep models: docs/results.md).
+        unreached: what a trainable tensor that this step's backward did not reach gets as its gradient.
+            ``"skip_below"`` (the default): a block gets a zero gradient, so AdamW's momentum and weight
+            decay keep moving it (the paper's implicit updates; measured worth 1.5x the steps against no
+            update); a tensor below the first block (an untied input embedding, trainable as peft's
+            ``modules_to_save``) gets none, so the optimizer leaves it alone until a backward reaches it
+            again: on the real SmolLM2 it learns the same as a zero gradient (eval loss 3.191 against
+            3.190 after 200 steps) and makes the step 1.28x cheaper (docs/results.md). ``"implicit"``:
+            a zero gradient for both (the paper's rule everywhere). An embedding tied to the head gets
+            the head's gradient at every step either way.
         blocks: ``"auto"``, a dotted path to the block ``ModuleList`` or a callable ``model -> blocks``.
-        switch_every: optimizer steps between re-selections.
-        seed: seed of the policy's generator (ignored when ``policy`` is an instance).
+        switch_every: optimizer steps between re-selections of a policy built by name (default 1).
+        seed: seed of the generator of a policy built by name (default 0). A
+            :class:`~lcsb_lightning.policies.SelectionPolicy` instance carries its own ``switch_every``
+            and ``seed``: giving either with one is refused.
         log_every_n_steps: optimizer steps between block-selection images (``0`` disables them).
         probe_every: every this many optimizer steps (``0``: never), compute the exact gradient once
             more on the same batch and log, per trained block, the cosine and the norm ratio of the
@@ -88,18 +92,6 @@ class LCSBCallback(FitScopedCallback):
             ``lcsb/probe/norm_ratio/block_NN`` and an image ``lcsb/probe``). It costs one more forward
             and full backward on those steps; pick it coprime with the number of groups so that every
             group gets probed. :attr:`probe_results` keeps the measurements.
-        update_scale: ``"none"``, or ``"sqrt_period"``: multiply each block's optimizer update by
-            ``sqrt(P)``, ``P`` the steps per selection of that block so far. With AdamW and implicit
-            momentum a block trained every P-th step otherwise moves ``1/sqrt(P)`` as far as under full
-            backprop (dyadic's bottom half: 35%). Needs ``momentum="implicit"``.
-        momentum_below: what a step whose backward does not reach them does to the trainable tensors
-            below the first block (an untied input embedding, trainable as peft's ``modules_to_save``):
-            ``"skip"`` (the default: no gradient, so the optimizer leaves them alone until a backward
-            reaches them again), ``"implicit"`` (a zero gradient: AdamW keeps moving them, and updates
-            every weight of the embedding at every step) or ``None``, as ``momentum``. On the real
-            SmolLM2 with a trainable embedding both learn the same (eval loss 3.191 against 3.190 after
-            200 steps) and ``"skip"`` makes the step 1.28x cheaper (docs/results.md). An embedding tied
-            to the head gets the head's gradient at every step either way.
 
     Multiple processes: every rank selects the same blocks (the policy state is seeded and the
     gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets
@@ -121,35 +113,35 @@ class LCSBCallback(FitScopedCallback):
         layers_per_step: int | None = None,
         fraction: float | None = None,
         backward: str = "all_reached",
-        momentum: str = "implicit",
+        unreached: str = "skip_below",
         blocks: BlocksSpec = "auto",
-        switch_every: int = 1,
-        seed: int = 0,
+        switch_every: int | None = None,
+        seed: int | None = None,
         log_every_n_steps: int = 50,
         probe_every: int = 0,
-        update_scale: str = "none",
-        momentum_below: str | None = "skip",
     ) -> None:
-        backward = validate_modes(backward, momentum, update_scale, momentum_below)
+        validate_modes(backward, unreached)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 0)
         self.probe_every = check_int("probe_every", probe_every, 0)
         if isinstance(policy, SelectionPolicy):
-            if layers_per_step is not None or fraction is not None:
-                raise ValueError(
-                    "`layers_per_step`/`fraction` configure a policy built by name; a SelectionPolicy "
-                    f"instance ({policy!r}) carries its own size."
-                )
+            given = {"layers_per_step": layers_per_step, "fraction": fraction, "switch_every": switch_every, "seed": seed}
+            for name, value in given.items():
+                if value is not None:
+                    raise ValueError(
+                        f"`{name}={value!r}` configures a policy built by name; a SelectionPolicy instance "
+                        f"({policy!r}) carries its own."
+                    )
             self.policy = policy
         elif isinstance(policy, str):
             if policy not in available_policies():
                 raise ValueError(f"Unknown policy {policy!r}; available: {', '.join(available_policies())}.")
             self.policy = build_policy(
-                policy, layers_per_step=layers_per_step, fraction=fraction, switch_every=switch_every, seed=seed
+                policy, layers_per_step=layers_per_step, fraction=fraction,
+                switch_every=1 if switch_every is None else switch_every, seed=0 if seed is None else seed,
             )
         else:
             raise TypeError(f"`policy` must be a name or a SelectionPolicy, got {type(policy).__name__}.")
-        self.backward, self.momentum, self.blocks, self.update_scale = backward, momentum, blocks, update_scale
-        self.momentum_below = momentum_below
+        self.backward, self.unreached, self.blocks = backward, unreached, blocks
         self.probe_results: deque[ProbeResult] = deque(maxlen=_PROBES_KEPT)
         self._probe_batch: tuple[Any, int] | None = None
         self.controller: LCSBController | None = None
@@ -184,15 +176,12 @@ class LCSBCallback(FitScopedCallback):
         _check_strategy(trainer)
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
-        self.controller = LCSBController(
-            pl_module, self.policy, self.backward, self.momentum, self.blocks, self.update_scale, self.momentum_below
-        )
+        self.controller = LCSBController(pl_module, self.policy, self.backward, self.unreached, self.blocks)
         self._history = []
         try:
             if self._pending_state is not None:
                 self._apply_state(self._pending_state)
                 self._pending_state = None
-            self.controller.scale_updates_of(trainer.optimizers)
             missing = self.controller.missing_from(trainer.optimizers)
             if missing:
                 raise ValueError(
@@ -214,14 +203,13 @@ class LCSBCallback(FitScopedCallback):
             rank_zero_info(
                 f"LCSB: {len(outside)} trainable parameters lie outside the blocks (e.g. {', '.join(outside[:3])}): "
                 "those below the first block (an input embedding) train on the steps whose backward reaches "
-                f"them (on the others: momentum_below={self.controller.momentum_below}), those above it (the head, "
+                f"them (on the others: unreached={self.unreached}), those above it (the head, "
                 "the final norm) at every step."
             )
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "
             + (f"k={self.policy.k}, " if self.policy.needs_size else "")
-            + f"backward={self.backward}, momentum={self.momentum}"
-            + (f", update_scale={self.update_scale}." if self.update_scale != "none" else ".")
+            + f"backward={self.backward}, unreached={self.unreached}."
         )
 
     def _release(self) -> None:
@@ -295,7 +283,7 @@ class LCSBCallback(FitScopedCallback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # A checkpoint of 0.4 keys this callback's state by the backward's deprecated name.
         states = checkpoint.get("callbacks") or {}
-        for old, new in DEPRECATED_BACKWARD_MODES.items():
+        for old, new in _BACKWARD_NAMES_OF_0_4.items():
             old_key = self._generate_state_key(policy=type(self.policy).__name__, backward=old)
             if new == self.backward and old_key in states and self.state_key not in states:
                 states[self.state_key] = states.pop(old_key)

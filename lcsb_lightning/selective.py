@@ -41,22 +41,6 @@ from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapp
 #: Name of LCSB's wrapper in a block's forward stack.
 SELECTIVE_WRAPPER = "lcsb_selective"
 MODES = ("train", "skip", "pass")
-#: The backward modes' names before 0.5 (deprecated, removed in 0.6) and the mode each one is now.
-DEPRECATED_BACKWARD_MODES = {"exact": "selected_only", "truncated": "all_reached"}
-
-
-def normalize_backward(backward: str) -> str:
-    """``backward`` under its current name: a deprecated name is mapped, with a ``DeprecationWarning``."""
-    if backward not in DEPRECATED_BACKWARD_MODES:
-        return backward
-    from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation  # only here: the core imports no Lightning
-
-    new = DEPRECATED_BACKWARD_MODES[backward]
-    rank_zero_deprecation(
-        f"`backward={backward!r}` is deprecated since 0.5 and will be removed in 0.6; use `backward={new!r}` "
-        "(the same computation)."
-    )
-    return new
 
 
 class IdentityPath(torch.autograd.Function):
@@ -275,8 +259,7 @@ class SelectiveBackprop:
         blocks: The transformer blocks, in order.
         params_per_block: The trainable parameters of each block (they get zero gradients when cut).
         backward: ``"identity"`` (non-selected blocks use the identity path) or ``"selected_only"``
-            (non-selected blocks keep exact gradients flowing to the selected ones; ``"exact"`` is its
-            deprecated name).
+            (non-selected blocks keep exact gradients flowing to the selected ones).
 
     Example::
 
@@ -299,7 +282,6 @@ class SelectiveBackprop:
         params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
         backward: str = "identity",
     ) -> None:
-        backward = normalize_backward(backward)
         if backward not in ("identity", "selected_only"):
             raise ValueError(f"`backward={backward!r}` is not supported; allowed: identity, selected_only.")
         self.blocks = list(blocks)

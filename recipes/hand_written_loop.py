@@ -27,7 +27,7 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=2)
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules="all-linear")).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    controller = LCSBController(model, DyadicPolicy(levels=3), backward="selected_only", momentum="implicit")
+    controller = LCSBController(model, DyadicPolicy(levels=3), backward="selected_only")
     data = torch.randint(0, 256, (args.steps, 2, 64), generator=torch.Generator().manual_seed(0))
     try:
         for step, tokens in enumerate(data):

@@ -1,5 +1,5 @@
-"""The backward modes' names before 0.5 (``exact``, ``truncated``): deprecated aliases accepted wherever a mode
-is, with a ``DeprecationWarning`` naming the new value, normalised to it, and a 0.4 checkpoint still resumes."""
+"""The backward modes' names before 0.5 (``exact``, ``truncated``), deprecated in 0.5, are refused since 0.6;
+a 0.4 checkpoint, whose state key holds the old name, still resumes."""
 
 from __future__ import annotations
 
@@ -29,22 +29,12 @@ def _release(built: Any) -> None:
         built.release() if isinstance(built, LCSBController) else built.remove()
 
 
-@pytest.mark.parametrize(
-    ("entry", "old", "new"),
-    [
-        ("LCSBCallback", "truncated", "all_reached"),
-        ("LCSBCallback", "exact", "selected_only"),
-        ("LCSBController", "truncated", "all_reached"),
-        ("LCSBController", "exact", "selected_only"),
-        ("SelectiveBackprop", "exact", "selected_only"),
-    ],
-)
-def test_a_deprecated_name_warns_and_becomes_the_new_one(residual_net, entry: str, old: str, new: str) -> None:
-    net = residual_net(num_blocks=2)
-    with pytest.warns(DeprecationWarning, match=rf"`backward='{old}'` is deprecated .* use `backward='{new}'`"):
-        built = BUILD[entry](net, old)
-    assert built.backward == new
-    _release(built)
+@pytest.mark.parametrize("entry", sorted(BUILD))
+@pytest.mark.parametrize("old", ["truncated", "exact"])
+def test_the_names_before_0_5_are_refused(residual_net, entry: str, old: str) -> None:
+    allowed = "identity, selected_only" if entry == "SelectiveBackprop" else ", ".join(BACKWARD_MODES)
+    with pytest.raises(ValueError, match=rf"`backward='{old}'` is not supported; allowed: {allowed}\.$"):
+        BUILD[entry](residual_net(num_blocks=2), old)
 
 
 @pytest.mark.parametrize("entry", sorted(BUILD))
@@ -58,8 +48,7 @@ def test_the_current_names_do_not_warn(residual_net, entry: str) -> None:
         _release(built)
 
 
-@pytest.mark.parametrize("backward", ["all_reached", "truncated"])
-def test_a_checkpoint_of_0_4_keyed_by_the_old_name_resumes_the_sequence(residual_net, tmp_path: Path, backward: str) -> None:
+def test_a_checkpoint_of_0_4_keyed_by_the_old_name_resumes_the_sequence(residual_net, tmp_path: Path) -> None:
     def run(steps: int, backward: str, ckpt_path: Path | None = None, save: bool = False) -> LCSBCallback:
         model = TokenLM(residual_net(num_blocks=4, seed=0), lr=0.02)
         lcsb = LCSBCallback("random", layers_per_step=1, backward=backward, seed=7, log_every_n_steps=0)
@@ -78,8 +67,5 @@ def test_a_checkpoint_of_0_4_keyed_by_the_old_name_resumes_the_sequence(residual
     assert old_key != key
     checkpoint["callbacks"][old_key] = checkpoint["callbacks"].pop(key)  # as 0.4 keyed it
     torch.save(checkpoint, tmp_path / "v0.4.ckpt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        resumed = run(8, backward, ckpt_path=tmp_path / "v0.4.ckpt")
-    assert resumed.backward == "all_reached"
+    resumed = run(8, "all_reached", ckpt_path=tmp_path / "v0.4.ckpt")
     assert resumed.selection_counts == full.selection_counts  # the counts of steps 0-3 came from the checkpoint

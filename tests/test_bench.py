@@ -109,8 +109,8 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
 @pytest.mark.parametrize(("name", "counts"), [
     ("short", {"quality": 6, "stability": 12}),
     ("standard", {"recipe_speed": 3, "quality": 21}),
-    ("ablation", {"ablation": 16}),
-    ("time_to_quality", {"recipe_speed": 3, "quality": 39}),
+    ("ablation", {"ablation": 12}),
+    ("time_to_quality", {"recipe_speed": 3, "quality": 33}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),

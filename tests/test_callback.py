@@ -1,4 +1,4 @@
-"""LCSBCallback inside real Trainers: momentum modes, accumulation, resume, logging, errors."""
+"""LCSBCallback inside real Trainers: unreached tensors, accumulation, resume, logging, errors."""
 
 from __future__ import annotations
 
@@ -38,20 +38,16 @@ def _fit(model: TokenLM, lcsb: LCSBCallback, steps: int, **trainer_kwargs: Any) 
     return recorder
 
 
-@pytest.mark.parametrize("momentum", ["implicit", "skip", "reset", "reuse"])
-def test_momentum_modes(residual_net, momentum: str) -> None:
+@pytest.mark.parametrize("unreached", ["skip_below", "implicit"])
+def test_a_block_outside_the_selection_keeps_moving_with_adamw(residual_net, unreached: str) -> None:
     # 2 blocks, k=1: block 0 trains at steps 0, 2, 4; block 1 at steps 1, 3, 5.
     model = TokenLM(residual_net(num_blocks=2), lr=0.05, weight_decay=0.1)
-    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="identity", momentum=momentum)
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="identity", unreached=unreached)
     recorder = _fit(model, lcsb, steps=4)
     assert recorder.selections == [(0,), (1,), (0,), (1,)]
-    moved_while_skipped = not torch.equal(recorder.block0[0], recorder.block0[1])
-    assert moved_while_skipped == (momentum in ("implicit", "reuse"))
+    assert not torch.equal(recorder.block0[0], recorder.block0[1])  # its zero gradient: AdamW's implicit update
     optimizer_state = model.trainer.optimizers[0].state
-    block0_params = list(model.model.stack[0].parameters())
-    has_state = [p in optimizer_state and len(optimizer_state[p]) > 0 for p in block0_params]
-    assert all(has_state) == (momentum != "reset")
-    assert (not any(has_state)) == (momentum == "reset")
+    assert all(p in optimizer_state and len(optimizer_state[p]) > 0 for p in model.model.stack[0].parameters())
     # the model is left as found
     assert all(p.requires_grad for p in model.model.stack.parameters())
     assert all("forward" not in vars(b) for b in model.model.stack)
@@ -84,18 +80,18 @@ class EmbeddingRecorder(Callback):
         self.snapshots.append(pl_module.model.get_input_embeddings().weight.detach().clone())
 
 
-@pytest.mark.parametrize(("momentum_below", "moves_on_steps_that_miss_it"), [(None, True), ("implicit", True), ("skip", False)])
-def test_momentum_below_decides_whether_an_embedding_moves_on_steps_that_do_not_reach_it(
-    momentum_below: str | None, moves_on_steps_that_miss_it: bool
+@pytest.mark.parametrize(("unreached", "moves_on_steps_that_miss_it"), [("implicit", True), ("skip_below", False)])
+def test_unreached_decides_whether_an_embedding_moves_on_steps_that_do_not_reach_it(
+    unreached: str, moves_on_steps_that_miss_it: bool
 ) -> None:
     backbone = tiny_llama_peft(num_layers=4)
     backbone.get_input_embeddings().weight.requires_grad_(True)
     model = TokenLM(backbone, lr=5e-3)
-    lcsb = LCSBCallback("cyclic", layers_per_step=2, momentum_below=momentum_below, log_every_n_steps=0)
+    lcsb = LCSBCallback("cyclic", layers_per_step=2, unreached=unreached, log_every_n_steps=0)
     recorder = EmbeddingRecorder()
     trainer = quiet_trainer(max_steps=4, callbacks=[lcsb, recorder])
     trainer.fit(model, token_batches(num_batches=4, seq=16))
-    assert lcsb.controller.momentum_below == (momentum_below or "implicit")
+    assert lcsb.controller.unreached == unreached
     moved = [not torch.equal(a, b) for a, b in zip(recorder.snapshots, recorder.snapshots[1:])]
     # steps 0 and 2 select blocks (0, 1) and reach the embedding; steps 1 and 3 select (2, 3) only
     assert moved == [moves_on_steps_that_miss_it, True, moves_on_steps_that_miss_it]
@@ -104,7 +100,7 @@ def test_momentum_below_decides_whether_an_embedding_moves_on_steps_that_do_not_
 def test_defaults_are_dyadic_with_the_all_reached_backward(residual_net) -> None:
     lcsb = LCSBCallback(log_every_n_steps=0)
     assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "all_reached"
-    assert lcsb.momentum == "implicit" and lcsb.momentum_below == "skip"
+    assert lcsb.unreached == "skip_below"
     recorder = _fit(TokenLM(residual_net(num_blocks=8)), lcsb, steps=8)
     assert [len(s) for s in recorder.selections] == [8, 1, 2, 1, 4, 1, 2, 1]  # N, N/8, N/4, N/8, N/2, ...
     assert all(s == tuple(range(8 - len(s), 8)) for s in recorder.selections)  # always the top blocks
@@ -117,13 +113,11 @@ def test_all_reached_backward_trains_every_block_above_the_selection(residual_ne
     assert lcsb.selection_counts == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize(
-    ("policy", "momentum"), [("cyclic", "implicit"), ("random", "implicit"), ("grad_norm", "implicit"), ("cyclic", "reuse")]
-)
-def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, policy: str, momentum: str) -> None:
+@pytest.mark.parametrize("policy", ["cyclic", "random", "grad_norm"])
+def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, policy: str) -> None:
     def run(steps: int, ckpt_path: str | None = None, checkpoint_dir: Path | None = None) -> tuple[TokenLM, Recorder]:
         model = TokenLM(residual_net(num_blocks=6, seed=0), lr=0.02)
-        lcsb = LCSBCallback(policy, layers_per_step=2, seed=7, momentum=momentum)
+        lcsb = LCSBCallback(policy, layers_per_step=2, seed=7)
         recorder = Recorder(lcsb)
         callbacks: list[Callback] = [lcsb, recorder]
         if checkpoint_dir is not None:
@@ -137,6 +131,19 @@ def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, polic
     resumed_model, resumed = run(12, ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.selections == full.selections[4:]
     assert resumed_model.losses == full_model.losses[4:]
+
+
+def test_a_checkpoint_of_0_5_with_the_removed_options_state_loads(residual_net) -> None:
+    from lcsb_lightning.controller import LCSBController
+
+    controller = LCSBController(residual_net(num_blocks=2), CyclicPolicy(layers_per_step=1))
+    controller.begin_step(0)
+    state = {**controller.state_dict(), "steps_selected": 1, "last_grads": {0: [torch.ones(2)]}}  # as 0.5 saved it
+    twin = LCSBController(residual_net(num_blocks=2), CyclicPolicy(layers_per_step=1))
+    twin.load_state_dict(state)
+    assert twin.state_dict() == controller.state_dict()
+    controller.release()
+    twin.release()
 
 
 def test_tensorboard_gets_scalars_and_selection_image(residual_net, tmp_path: Path) -> None:
@@ -163,16 +170,19 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, freeze, full, grad_norm, random\.$"),
+        (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only\.$"),
         (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
-        (dict(layers_per_step=1, momentum="adam"), ValueError, r"`momentum='adam'` is not supported; allowed: implicit, skip, reset, reuse\.$"),
-        (dict(momentum="reuse", momentum_below=None), ValueError, r"`momentum_below=None` \(as `momentum`\) cannot reuse"),
-        (dict(momentum_below="reset"), ValueError, r"`momentum_below='reset'` is not supported; allowed: implicit, skip or None \(as `momentum`\)\.$"),
+        (dict(backward="truncated"), ValueError, r"`backward='truncated'` is not supported; allowed: identity, selected_only, all_reached\.$"),
+        (dict(unreached="skip"), ValueError, r"`unreached='skip'` is not supported; allowed: skip_below, implicit\.$"),
         (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
         (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
         (dict(layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),
         (dict(policy="cyclic"), ValueError, "CyclicPolicy needs `layers_per_step=k` or `fraction=f`; got neither"),
-        (dict(policy=CyclicPolicy(layers_per_step=1), layers_per_step=2), ValueError, "carries its own size"),
+        (dict(policy=CyclicPolicy(layers_per_step=1), layers_per_step=2), ValueError, "`layers_per_step=2` configures a policy built by name"),
+        (dict(policy=CyclicPolicy(layers_per_step=1), switch_every=2), ValueError,
+         r"`switch_every=2` configures a policy built by name; .* instance .* carries its own\.$"),
+        (dict(policy=CyclicPolicy(layers_per_step=1), seed=3), ValueError,
+         r"`seed=3` configures a policy built by name; .* instance .* carries its own\.$"),
         (dict(policy=3), TypeError, "`policy` must be a name or a SelectionPolicy, got int"),
         (dict(layers_per_step=1, log_every_n_steps=-1), ValueError, "`log_every_n_steps` must be an integer >= 0"),
     ],

@@ -176,23 +176,15 @@ def test_input_that_requires_grad_gets_no_gradient_below_the_selection() -> None
 
 
 @pytest.mark.parametrize(
-    ("momentum", "momentum_below", "embedding_gets", "block_gets"),
-    [
-        ("implicit", None, "zeros", "zeros"),
-        ("skip", None, "nothing", "nothing"),
-        ("reset", None, "nothing", "nothing"),
-        ("implicit", "skip", "nothing", "zeros"),
-        ("skip", "implicit", "zeros", "nothing"),
-    ],
+    ("unreached", "embedding_gets", "block_gets"), [("implicit", "zeros", "zeros"), ("skip_below", "nothing", "zeros")]
 )
 def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not_reach_it(
-    momentum: str, momentum_below: str | None, embedding_gets: str, block_gets: str
+    unreached: str, embedding_gets: str, block_gets: str
 ) -> None:
     model = _trainable_embedding()
     embedding = model.get_input_embeddings().weight
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", momentum=momentum,
-                                momentum_below=momentum_below)
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", unreached=unreached)
     lowest_block_lora = controller.block_params.params_per_block[0][0]
     try:
         assert controller.begin_step(0, [optimizer]) == (0, 1)  # reaches the embedding
@@ -213,7 +205,7 @@ def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not
                 assert tensor.grad is None
         before = embedding.detach().clone()
         optimizer.step()
-        # implicit: AdamW's momentum moves it (and touches every weight); skip: the optimizer leaves it alone
+        # implicit: AdamW's momentum moves it (and touches every weight); skip_below: the optimizer leaves it alone
         assert torch.equal(embedding, before) == (embedding_gets == "nothing")
     finally:
         controller.release()
@@ -234,8 +226,8 @@ def _tied_lora_with_trainable_embedding() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("momentum", ["implicit", "skip"])
-def test_a_tied_embedding_keeps_its_head_gradient_on_steps_that_do_not_reach_it(momentum: str) -> None:
+@pytest.mark.parametrize("unreached", ["implicit", "skip_below"])
+def test_a_tied_embedding_keeps_its_head_gradient_on_steps_that_do_not_reach_it(unreached: str) -> None:
     model = _tied_lora_with_trainable_embedding()
     weight = model.get_input_embeddings().weight
     # reference: the head's share of the tied weight's gradient alone (the lookup's share is cut off)
@@ -246,7 +238,7 @@ def test_a_tied_embedding_keeps_its_head_gradient_on_steps_that_do_not_reach_it(
     assert head_share.any()
     model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), momentum=momentum)
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=2), unreached=unreached)
     try:
         assert controller.begin_step(1, [optimizer]) == (2, 3)  # does not reach the embedding lookup
         _loss(model).backward()

@@ -184,9 +184,8 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("policy=dyadic policy.levels={5:4}", "policy: `levels` must be an integer >= 1, got {5: 4}"),
     ("policy=grad_norm policy.ema_decay=1.5", "policy: `ema_decay`"),
     ("lcsb.backward=approx", "lcsb: `backward='approx'` is not supported; allowed: identity, selected_only, all_reached"),
-    ("lcsb.momentum=adam", "lcsb: `momentum='adam'` is not supported; allowed: implicit, skip, reset, reuse"),
-    ("lcsb.update_scale=sqrt", "lcsb: `update_scale='sqrt'` is not supported; allowed: none, sqrt_period"),
-    ("lcsb.momentum_below=reset", "lcsb: `momentum_below='reset'` is not supported; allowed: implicit, skip"),
+    ("lcsb.unreached=skip", "lcsb: `unreached='skip'` is not supported; allowed: skip_below, implicit"),
+    ("lcsb.backward=truncated", "lcsb: `backward='truncated'` is not supported; allowed: identity, selected_only, all_reached"),
     ("lcsb.probe_every=-1", "lcsb: `probe_every` must be an integer >= 0, got -1"),
     ("mebp=int4 mebp.fmt=q4_k", "mebp: `fmt='q4_k'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
     ("mebp=int4 mebp.weights=disk", "mebp: `weights='disk'` is not supported; choose one of 'ram', 'mmap'"),
@@ -196,7 +195,6 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("early_stopping_patience=0", "early_stopping_patience=0: allowed: an integer >= 1"),
     ("early_stopping_patience=2 best_adapter=null", "early_stopping_patience=2 watches best_adapter's metric, and "
      "best_adapter is null"),
-    ("lcsb.momentum=reuse lcsb.momentum_below=null", r"lcsb: `momentum_below=None` \(as `momentum`\) cannot reuse"),
     # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)
     ("policy=full policy._target_=lcsb_lightning.callback.LCSBCallback", "policy: lcsb_lightning.callback.LCSBCallback is not a "
      "SelectionPolicy; allowed: a lcsb_lightning.policies class"),

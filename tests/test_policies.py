@@ -5,10 +5,10 @@ import pytest
 from lcsb_lightning.policies import (
     CyclicPolicy,
     DyadicPolicy,
-    FreezePolicy,
     FullPolicy,
     GradNormPolicy,
     RandomPolicy,
+    TopOnlyPolicy,
     available_policies,
     build_policy,
 )
@@ -99,13 +99,13 @@ def test_grad_norm_prefers_high_norm_blocks_yet_respects_the_staleness_bound() -
     assert hot > 2 * cold
 
 
-def test_full_and_freeze() -> None:
+def test_full_and_top_only() -> None:
     full = FullPolicy()
     full.setup(5)
     assert full.select(0) == (0, 1, 2, 3, 4)
-    freeze = FreezePolicy(layers_per_step=2)
-    freeze.setup(5)
-    assert {freeze.select(t) for t in range(10)} == {(3, 4)}
+    top_only = TopOnlyPolicy(layers_per_step=2)
+    top_only.setup(5)
+    assert {top_only.select(t) for t in range(10)} == {(3, 4)}
 
 
 def _assert_dyadic_depths(depths: list[int], **kwargs: object) -> None:
@@ -139,13 +139,13 @@ def test_dyadic_levels(levels: int, switch_every: int, depths: list[int]) -> Non
 
 
 def test_registry_lists_every_policy() -> None:
-    assert available_policies() == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "random"]
+    assert available_policies() == ["cyclic", "dyadic", "full", "grad_norm", "random", "top_only"]
 
 
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dyadic, freeze"),
+        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only"),
         (lambda: CyclicPolicy(), "needs `layers_per_step=k` or `fraction=f`; got neither"),
         (lambda: CyclicPolicy(layers_per_step=2, fraction=0.5), "Give only one of `layers_per_step` \\(2\\) and `fraction` \\(0.5\\)"),
         (lambda: CyclicPolicy(layers_per_step=0), "`layers_per_step` must be an integer >= 1, got 0"),
@@ -183,7 +183,7 @@ def test_select_before_setup_and_backwards_fail() -> None:
         (lambda: DyadicPolicy(levels=3, switch_every=2), 30, 8),
         (lambda: DyadicPolicy(levels=5), 16, 16),
         (lambda: FullPolicy(), 6, 1),
-        (lambda: FreezePolicy(layers_per_step=2), 6, 1),
+        (lambda: TopOnlyPolicy(layers_per_step=2), 6, 1),
         (lambda: CyclicPolicy(layers_per_step=2), 6, 3),
         (lambda: CyclicPolicy(layers_per_step=2, switch_every=3), 5, 9),
     ],

@@ -26,7 +26,7 @@ def options(group: str) -> list[str]:
 def test_every_group_has_its_options() -> None:
     assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m", "tiny"]
     assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
-    assert options("policy") == ["cyclic", "dyadic", "freeze", "full", "grad_norm", "paper", "random"]
+    assert options("policy") == ["cyclic", "dyadic", "full", "grad_norm", "paper", "random", "top_only"]
     assert options("mebp") == ["int4", "nf4", "none"]
     assert options("trainer") == ["cpu", "ddp", "gpu"]
     assert options("logger") == ["csv", "tensorboard"]
@@ -50,8 +50,9 @@ def test_default_config_composes() -> None:
     assert cfg.lcsb.backward == "all_reached" and cfg.guard.action == "skip" and cfg.checkpoint_every == 50
 
 
-POLICIES = {"cyclic": "CyclicPolicy", "dyadic": "DyadicPolicy", "freeze": "FreezePolicy", "full": "FullPolicy",
-            "grad_norm": "GradNormPolicy", "paper": "CyclicPolicy", "random": "RandomPolicy"}
+POLICIES = {"cyclic": "CyclicPolicy", "dyadic": "DyadicPolicy", "full": "FullPolicy",
+            "grad_norm": "GradNormPolicy", "paper": "CyclicPolicy", "random": "RandomPolicy",
+            "top_only": "TopOnlyPolicy"}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -71,7 +72,7 @@ def test_policy_options_instantiate(name: str) -> None:
     (["policy=random", "policy.fraction=0.5"], "fraction", 0.5),
     (["policy=grad_norm", "policy.layers_per_step=3", "policy.fraction=null"], "layers_per_step", 3),
     (["policy=dyadic", "policy.levels=3"], "levels", 3),
-    (["policy=freeze", "policy.switch_every=2"], "switch_every", 2),
+    (["policy=top_only", "policy.switch_every=2"], "switch_every", 2),
 ])
 def test_policy_overrides_read_the_same_for_every_policy(overrides: list[str], key: str, value: object) -> None:
     assert getattr(instantiate(compose_cfg(overrides).policy), key) == value

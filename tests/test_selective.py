@@ -274,7 +274,7 @@ def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatmen
     from lcsb_lightning.policies import CyclicPolicy
 
     model = tiny_llama_peft()
-    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward="selected_only", momentum="skip")
+    controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward="selected_only")
     blocks = controller.block_params.params_per_block
     optimizer = torch.optim.AdamW(list(blocks[0]), lr=1e-3)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -287,5 +287,5 @@ def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatmen
         optimizer.zero_grad(set_to_none=False)
     model(input_ids=ids, labels=ids).loss.backward()
     controller.before_optimizer_step(optimizer)  # still step 1: block 2 is in the optimizer and not selected
-    assert all(p.grad is None for p in blocks[2])  # momentum="skip": the optimizer must skip them
+    assert all(p.grad is not None and not p.grad.any() for p in blocks[2])  # not theirs to use: zeros
     controller.release()

@@ -50,14 +50,14 @@ def test_lcsb_kwargs_reach_the_callback_and_name_the_column(
     class RecordingCallback(lcsb_lightning.LCSBCallback):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            built.append(self.momentum)
+            built.append(self.unreached)
 
     monkeypatch.setattr(lcsb_lightning, "LCSBCallback", RecordingCallback)
     script = load_script()
     result = script.main(["--shape", "tiny", "--rounds", "1", "--warmup", "0", "--setups", "LoRA",
-                          "--lcsb-kwargs", '{"momentum": "skip"}'])
-    assert built == ["skip"] and result["lcsb_kwargs"] == {"momentum": "skip"}
-    assert "`LCSBCallback(momentum='skip')` s/step" in capsys.readouterr().out
+                          "--lcsb-kwargs", '{"unreached": "implicit"}'])
+    assert built == ["implicit"] and result["lcsb_kwargs"] == {"unreached": "implicit"}
+    assert "`LCSBCallback(unreached='implicit')` s/step" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--lcsb-kwargs", "[1, 2]"], ["--lcsb-kwargs", "{not json"]])

@@ -141,7 +141,7 @@ def build_arm(name: str, folder: Path, device: torch.device, dtype: torch.dtype,
         from lcsb_lightning.controller import LCSBController
 
         cb = LCSBCallback("cyclic", fraction=fraction, backward=backward, log_every_n_steps=0)
-        controller = LCSBController(model, cb.policy, cb.backward, cb.momentum, cb.blocks)  # as in its on_fit_start
+        controller = LCSBController(model, cb.policy, cb.backward, cb.unreached, cb.blocks)  # as in its on_fit_start
     return Arm(name, model, optimizer, device, controller, blocks, stats)
 
 

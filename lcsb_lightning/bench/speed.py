@@ -78,7 +78,7 @@ class ArmStepper:
     def step(self, name: str) -> float:
         """One optimizer step of arm ``name``; returns its wall time in seconds."""
         start = time.perf_counter()
-        controller = LCSBController(self.model, self.policies[name], backward=self.backward, momentum="implicit")
+        controller = LCSBController(self.model, self.policies[name], backward=self.backward)
         try:
             selection = controller.begin_step(self.step_index[name], [self.optimizer]) or ()
             self.k[name], self.num_blocks = len(selection), controller.num_blocks

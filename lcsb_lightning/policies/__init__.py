@@ -7,7 +7,7 @@ cyclic     consecutive groups of k, in turn                      LCSB (arXiv 260
 random     k random blocks; ``reshuffle`` covers all per cycle   LISA / BAdam random order
 grad_norm  EMA of LoRA grad norms + exploration, bounded gaps    importance sampling
 full       all blocks                                            full-backprop baseline
-freeze     the top k blocks only                                 the paper's Freeze baseline
+top_only   the top k blocks only                                 the paper's Freeze baseline
 dyadic     the top N/8 every round, N/4, N/2, N on a ruler cycle truncated backprop, exact
 ========== ===================================================== ===========================
 """
@@ -19,7 +19,7 @@ from lcsb_lightning.policies.base import (
     build_policy,
     register_policy,
 )
-from lcsb_lightning.policies.simple import CyclicPolicy, DyadicPolicy, FreezePolicy, FullPolicy
+from lcsb_lightning.policies.simple import CyclicPolicy, DyadicPolicy, FullPolicy, TopOnlyPolicy
 from lcsb_lightning.policies.stochastic import GradNormPolicy, RandomPolicy
 
 __all__ = [
@@ -30,8 +30,8 @@ __all__ = [
     "register_policy",
     "CyclicPolicy",
     "DyadicPolicy",
-    "FreezePolicy",
     "FullPolicy",
     "GradNormPolicy",
     "RandomPolicy",
+    "TopOnlyPolicy",
 ]

@@ -1,4 +1,4 @@
-"""Deterministic policies: cyclic (the paper's), full backprop, and the Freeze baseline."""
+"""Deterministic policies: cyclic (the paper's), dyadic (the default), full backprop, and top-only."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ class FullPolicy(SelectionPolicy):
         return list(range(self.num_blocks))
 
 
-@register_policy("freeze")
-class FreezePolicy(SelectionPolicy):
-    """Only the top ``k`` blocks ever train (the paper's Freeze baseline); the rest stay frozen."""
+@register_policy("top_only")
+class TopOnlyPolicy(SelectionPolicy):
+    """Only the top ``k`` blocks ever train; the rest never do (the LCSB paper's "Freeze" baseline)."""
 
     cycle_steps = 1
 

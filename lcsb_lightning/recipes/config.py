@@ -116,12 +116,10 @@ class LCSBConfig:
 
     _target_: str = MISSING
     backward: str = MISSING
-    momentum: str = MISSING
+    unreached: str = MISSING
     blocks: Any = MISSING
     log_every_n_steps: int = MISSING
     probe_every: int = MISSING
-    update_scale: str = MISSING
-    momentum_below: Optional[str] = None
 
 
 def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
