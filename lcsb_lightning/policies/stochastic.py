@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lcsb_lightning.policies.base import SelectionPolicy, balanced_groups, register_policy
+from lcsb_lightning.validation import check_int
 
 
 @register_policy("random")
@@ -88,9 +89,8 @@ class GradNormPolicy(SelectionPolicy):
             raise ValueError(f"`ema_decay` must be in [0, 1), got {ema_decay!r}.")
         if exploration < 0:
             raise ValueError(f"`exploration` must be >= 0, got {exploration!r}.")
-        if max_staleness is not None and max_staleness < 1:
-            raise ValueError(f"`max_staleness` must be >= 1, got {max_staleness!r}.")
-        self.ema_decay, self.exploration, self._max_staleness = float(ema_decay), float(exploration), max_staleness
+        self.ema_decay, self.exploration = float(ema_decay), float(exploration)
+        self._max_staleness = None if max_staleness is None else check_int("max_staleness", max_staleness, 1)
 
     @property
     def max_staleness(self) -> int:
