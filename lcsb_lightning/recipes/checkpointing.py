@@ -229,13 +229,15 @@ def resolve_checkpoint(resume: str | os.PathLike[str]) -> Path:
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint on the CPU, or raise a ``ValueError`` naming the file (truncated, corrupted, or
-    not a recipe checkpoint) before any training."""
+    """Load a checkpoint on the CPU with ``weights_only=True`` (tensors and plain containers: unpickling runs no
+    code), or raise a ``ValueError`` naming the file (truncated, corrupted, holding other objects, or not a
+    recipe checkpoint) before any training."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ValueError(f"the checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or "
-                         "corrupted: resume from an earlier one, or start again") from exc
+        raise ValueError(f"the checkpoint {path} cannot be read with weights_only=True ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); it is truncated or corrupted, or holds objects "
+                         "other than tensors: resume from an earlier one, or start again") from exc
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "global_step" not in checkpoint:
         raise ValueError(f"{path} is not a Lightning checkpoint of lcsb-finetune (no state_dict/global_step)")
     return checkpoint

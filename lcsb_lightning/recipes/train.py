@@ -265,7 +265,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     fit_start = time.perf_counter()
     interrupted = False
     try:
-        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
+        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None,
+                    weights_only=True)
     except SIGTERMException:
         interrupted = True  # stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
     _stop_if_preempted(trainer, out, interrupted)
