@@ -111,3 +111,26 @@ def test_a_checkpoint_of_another_metric_is_not_loaded() -> None:
 def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         BestAdapter(**kwargs)
+
+
+def test_the_evaluation_before_training_counts_where_lightnings_model_checkpoint_skips_it(tmp_path: Path) -> None:
+    """Why BestAdapter is not ``ModelCheckpoint(monitor=..., save_top_k=1)``: that one saves only inside ``fit``,
+    so the evaluation before training (the untrained adapter, the best when training only hurts) never counts."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    class Evaluated(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _tiny_peft()
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.log("val/loss", batch.sum() + 1.0)
+
+    keeper, lightning_best = BestAdapter(), ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_top_k=1)
+    trainer = L.Trainer(callbacks=[keeper, lightning_best], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.validate(Evaluated(), DataLoader([torch.zeros(1)]), verbose=False)
+    assert (keeper.best_value, keeper.best_step) == (1.0, 0)
+    assert lightning_best.best_model_path == "" and not list(tmp_path.glob("*.ckpt"))

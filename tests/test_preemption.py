@@ -178,3 +178,35 @@ def test_sigterm_to_the_lcsb_finetune_process(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 150 and summary["resumed_from"].endswith("last.ckpt")
+
+
+class SignalAtBatch(Losses):
+    """Records every micro-batch's loss; sends ``signum`` at the start of training micro-batch ``at`` (0-based)."""
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.signum is not None and trainer.state.fn == "fit" and len(self.losses) == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_signal_inside_an_accumulation_window_saves_at_its_end(tmp_path: Path) -> None:
+    """With ``accumulate_grad_batches=2`` a signal after the first micro-batch of a window: the checkpoint is written
+    after the window's optimizer step (none holds half a window's gradients), and the resume ends as the
+    uninterrupted run does."""
+    overrides = [*OVERRIDES, "trainer.max_steps=4", "trainer.accumulate_grad_batches=2"]
+    reference, reference_losses = tmp_path / "reference", Losses()
+    expected = run_finetune(compose_cfg(overrides), reference, extra_callbacks=[reference_losses])
+
+    out = tmp_path / "run"
+    cfg = compose_cfg(overrides)
+    stopped = SignalAtBatch(signal.SIGTERM, at=2)  # during micro-batch 2, the first of step 2's window
+    with pytest.raises(Preempted):
+        run_finetune(cfg, out, extra_callbacks=[stopped])
+    assert _step(out / "checkpoints" / "last.ckpt") == 2 and len(stopped.losses) == 4  # the window completed
+
+    cfg.resume = str(out)
+    resumed = Losses()
+    summary = run_finetune(cfg, out, extra_callbacks=[resumed])
+    assert stopped.losses + resumed.losses == reference_losses.losses
+    assert summary["steps"] == expected["steps"] == 4 and summary["final_metrics"] == expected["final_metrics"]
+    a, b = _adapter(out), _adapter(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -96,3 +96,13 @@ def test_stopped_ddp_run_resumes_to_the_uninterrupted_result(tmp_path: Path, sto
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     print(f"{stop} at step {step}; reference {reference_seconds:.1f} s, resume {resumed_seconds:.1f} s; "
           f"max |adapter diff| {max(float((a[k] - b[k]).abs().max()) for k in a):.3g}")
+
+
+def test_ranks_that_loaded_different_weights_are_refused(tmp_path: Path) -> None:
+    """What ``model.source=auto`` can do under DDP (one rank gets the hub's weights, another the GGUF's), made
+    certain: each rank initialises the tiny model with its own seed. The run stops before training, naming why."""
+    run = tmp_path / "run"
+    done = run_finetune_cli(run, *BASE, "trainer.max_steps=2", "model.seed='${oc.env:LOCAL_RANK,0}'", timeout=600)
+    assert done.returncode != 0, (done.stdout + done.stderr)[-3000:]
+    assert "did not load the same model weights" in done.stderr and "model.source" in done.stderr, done.stderr[-3000:]
+    assert not (run / "summary.json").exists()

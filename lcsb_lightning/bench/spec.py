@@ -78,7 +78,7 @@ def packaged_tasks() -> frozenset[str]:
     """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
     from importlib.resources import files
 
-    from lcsb_lightning.recipes.cli import CONFIG_MODULE
+    from lcsb_lightning.recipes import CONFIG_MODULE
 
     return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "task").iterdir() if f.name.endswith(".yaml"))
 

@@ -30,6 +30,12 @@ class BestAdapter(L.Callback):
     before any training that stays the best yields the untrained adapter); the sanity check does not.
     An evaluation without the metric, or with a non-finite value, is ignored.
 
+    Not Lightning's ``ModelCheckpoint(monitor=..., mode=..., save_top_k=1)`` plus an export: that one saves
+    only while fitting (``_should_skip_saving_checkpoint``: ``trainer.state.fn != FITTING``), so the
+    evaluation before training, the best one when training only hurts, would never count; and each
+    improvement would write a whole checkpoint (optimizer state, loops) to read back at the end, where a
+    copy of the adapter in memory, checkpointed with this callback's state, is all that is needed.
+
     Args:
         monitor: The logged metric to compare (``"val/loss"``).
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).

@@ -5,7 +5,7 @@
 * :class:`ResumableLoader` (a torchdata ``StatefulDataLoader``) with :class:`EpochShuffle` shuffles with
   one seeded permutation per epoch; Lightning saves and restores its position and shards it under DDP,
   so a resumed run reads exactly the batches an uninterrupted one would.
-* :class:`PreemptionCheckpoint` writes one after the current step on SIGTERM or SIGINT and stops the run.
+* :class:`PreemptionCheckpoint` writes one after the current optimizer step on SIGTERM or SIGINT and stops the run.
 * :func:`resolve_checkpoint` / :func:`check_checkpoint` find and validate what ``resume=`` names,
   before any model is loaded.
 """
@@ -146,7 +146,9 @@ class Preempted(SystemExit):
 
 class PreemptionCheckpoint(Checkpoint):
     """On SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C), write the resumable checkpoint ``path`` at the
-    end of the current training step and stop the fit with Lightning's ``SIGTERMException`` before the next.
+    end of the current optimizer step (with ``accumulate_grad_batches > 1``: after the last micro-batch of the
+    accumulation window, as a checkpoint holds no gradients) and stop the fit with Lightning's
+    ``SIGTERMException`` before the next.
 
     The checkpoint is written where the periodic ones are, so a resume reads exactly the batches an
     uninterrupted run would; a signal during validation lets it finish and stops after the next step.
@@ -168,6 +170,7 @@ class PreemptionCheckpoint(Checkpoint):
         #: The global step of the checkpoint written on that signal (``None`` if none was).
         self.saved_step: int | None = None
         self._previous: dict[int, Any] = {}
+        self._step_at_start = -1
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -186,6 +189,8 @@ class PreemptionCheckpoint(Checkpoint):
         log.warning("received %s: the run stops after this training step with a checkpoint", signal.Signals(signum).name)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step_at_start:
+            return  # inside a gradient-accumulation window: its gradients are in no checkpoint, save after its step
         stop = self.signum is not None
         if trainer.world_size > 1:  # every rank takes part in the save: decide together
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
@@ -195,6 +200,7 @@ class PreemptionCheckpoint(Checkpoint):
             self.signum = self.signum or signal.SIGTERM  # a rank told by another
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._step_at_start = trainer.global_step
         if self.saved_step is not None:  # stop once the saved step is logged (and validated, when due)
             raise SIGTERMException
 
@@ -223,13 +229,15 @@ def resolve_checkpoint(resume: str | os.PathLike[str]) -> Path:
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint on the CPU, or raise a ``ValueError`` naming the file (truncated, corrupted, or
-    not a recipe checkpoint) before any training."""
+    """Load a checkpoint on the CPU with ``weights_only=True`` (tensors and plain containers: unpickling runs no
+    code), or raise a ``ValueError`` naming the file (truncated, corrupted, holding other objects, or not a
+    recipe checkpoint) before any training."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ValueError(f"the checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or "
-                         "corrupted: resume from an earlier one, or start again") from exc
+        raise ValueError(f"the checkpoint {path} cannot be read with weights_only=True ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); it is truncated or corrupted, or holds objects "
+                         "other than tensors: resume from an earlier one, or start again") from exc
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "global_step" not in checkpoint:
         raise ValueError(f"{path} is not a Lightning checkpoint of lcsb-finetune (no state_dict/global_step)")
     return checkpoint

@@ -15,8 +15,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-#: The packaged configs, as Hydra's compose API and ``hydra.main`` name them.
-CONFIG_MODULE = "lcsb_lightning.conf"
+from lcsb_lightning.recipes import CONFIG_MODULE
+
 CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 

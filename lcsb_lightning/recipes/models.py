@@ -6,6 +6,7 @@ Every factory returns a :class:`ModelBundle` (model + tokenizer + context length
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import nn
 
@@ -189,7 +191,8 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
     :func:`default_cache_dir`). ``source="auto"`` tries the hub first and falls back to the GGUF
     file. Whether the hub can be reached is decided once (:func:`hub_unreachable`: ``HF_HUB_OFFLINE``,
     else one request with a 2 s timeout); when it cannot, only the local Hugging Face cache is read.
-    One info line says where the model comes from.
+    One info line says where the model comes from. Each process decides for itself: a DDP run whose ranks
+    decided differently is refused (:class:`SameWeightsOnEveryRank`); pin ``hub`` or ``gguf`` there.
 
     Args:
         source: ``auto``, ``hub`` or ``gguf``.
@@ -307,3 +310,32 @@ def random_init(
     with torch.device(init_device):
         model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype))
     return _bundle(model, tokenizer, name)
+
+
+class SameWeightsOnEveryRank(L.Callback):
+    """Under DDP, refuse at ``setup`` (before any evaluation or step) a run whose ranks did not load the same weights.
+
+    Each process builds its own model, and ``smollm2_135m(source="auto")`` decides per process: one rank can
+    load the hub's weights and another the GGUF's (DDP copies rank 0's parameters only when it wraps the
+    model for ``fit``: an evaluation before, and state outside the parameters, stay as each rank loaded them).
+    Every rank hashes its parameters and buffers and compares the digest with rank 0's.
+
+    Raises:
+        RuntimeError: on every rank, when any rank's digest differs from rank 0's.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size == 1:
+            return
+        digest = hashlib.sha256()
+        for name, tensor in [*pl_module.named_parameters(), *pl_module.named_buffers()]:
+            if tensor.device.type != "meta":
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        ours = digest.hexdigest()
+        rank0 = trainer.strategy.broadcast(ours, src=0)
+        if not trainer.strategy.reduce_boolean_decision(ours == rank0, all=True):
+            raise RuntimeError(
+                f"the {trainer.world_size} ranks did not load the same model weights (rank {trainer.global_rank}: "
+                f"{ours[:12]}, rank 0: {rank0[:12]}); with model.source=auto each process chooses the hub or the GGUF "
+                "file on its own: set model.source=hub or model.source=gguf")

@@ -33,6 +33,7 @@ from lcsb_lightning.recipes.checkpointing import (
     resolve_checkpoint,
 )
 from lcsb_lightning.recipes.config import check_config
+from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, peak_rss_mb, save_adapter, write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
@@ -135,7 +136,7 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
     """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
-    freezing (``freeze`` group), a step timer, throughput logging, the
+    freezing (``freeze`` group), the check that DDP ranks loaded the same weights, a step timer, throughput logging, the
     ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), early stopping on the same metric
     (``early_stopping_patience``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
@@ -147,7 +148,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
-    callbacks += [StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    callbacks += [SameWeightsOnEveryRank(), StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
         callbacks.append(best)
@@ -265,7 +266,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     fit_start = time.perf_counter()
     interrupted = False
     try:
-        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None)
+        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None,
+                    weights_only=True)
     except SIGTERMException:
         interrupted = True  # stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
     _stop_if_preempted(trainer, out, interrupted)

@@ -23,11 +23,13 @@ class TaskData:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` without special tokens."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _subsample(rows: list[Any], limit: int | None, seed: int | None) -> list[Any]:
+def subsample(rows: list[Any], limit: int | None, seed: int | None) -> list[Any]:
+    """At most ``limit`` of ``rows`` in their order: a seeded sample, or the first ones with ``seed=None``."""
     if limit is None or limit >= len(rows):
         return rows
     if seed is None:

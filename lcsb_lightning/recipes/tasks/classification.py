@@ -8,7 +8,7 @@ from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
 from lcsb_lightning.recipes.data_io import check_hub, column_name, load_hub_rows, read_table, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, _ids, _subsample, data_source
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, subsample, token_ids
 
 
 class ClassificationTask(Task):
@@ -76,7 +76,7 @@ class ClassificationTask(Task):
 
     def verbalizer_ids(self, tokenizer: Any) -> list[list[int]]:
         """Token ids of each label's verbalizer word, in label order."""
-        return [_ids(tokenizer, " " + self.verbalizer[k]) for k in self.labels]
+        return [token_ids(tokenizer, " " + self.verbalizer[k]) for k in self.labels]
 
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Tokenize ``template(text) + " " + word``; long texts are cut to fit ``seq_len``."""
@@ -94,8 +94,8 @@ class ClassificationTask(Task):
             ("eval", self.max_eval_examples, None),
         ):
             examples = []
-            for row in _subsample(self._rows_cache[name], limit, seed):
-                prompt = _ids(tokenizer, self.template.format(text=row["text"]))[-budget:]
+            for row in subsample(self._rows_cache[name], limit, seed):
+                prompt = token_ids(tokenizer, self.template.format(text=row["text"]))[-budget:]
                 word = words[row["label"]]
                 examples.append(
                     {

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lcsb_lightning.recipes.data_io import check_hub, load_hub_rows, read_text, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, _ids, _subsample, data_source
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, subsample, token_ids
 
 
 class LMTextTask(Task):
@@ -105,7 +105,7 @@ class LMTextTask(Task):
         chunks: list[Example] = []
         buf: list[int] = []
         for doc in docs:
-            buf.extend(_ids(tokenizer, doc))
+            buf.extend(token_ids(tokenizer, doc))
             buf.append(eos)
             while len(buf) >= seq_len:
                 ids, buf = buf[:seq_len], buf[seq_len:]
@@ -117,7 +117,7 @@ class LMTextTask(Task):
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Pack the training and evaluation documents into ``seq_len``-token sequences."""
         train_docs, eval_docs = self._documents()
-        train = _subsample(self._pack(tokenizer, train_docs, seq_len, None), self.max_train_examples, self.seed)
+        train = subsample(self._pack(tokenizer, train_docs, seq_len, None), self.max_train_examples, self.seed)
         evals = self._pack(tokenizer, eval_docs, seq_len, self.max_eval_examples)
         for name, part in (("training", train), ("evaluation", evals)):
             if not part:

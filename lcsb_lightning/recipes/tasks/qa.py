@@ -9,7 +9,7 @@ from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
 from lcsb_lightning.recipes.data_io import check_fields, check_hub, load_hub_rows, read_table, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, _ids, _subsample, data_source, extract_number
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, extract_number, subsample, token_ids
 
 
 class QAJsonlTask(Task):
@@ -83,8 +83,8 @@ class QAJsonlTask(Task):
         return self._file_rows[0], self._file_rows[1]
 
     def _example(self, tokenizer: Any, row: Mapping[str, Any], seq_len: int) -> Example | None:
-        prompt = _ids(tokenizer, self.template.format(prompt=row[self.prompt_field]))
-        target = _ids(tokenizer, self.answer_template.format(answer=row[self.answer_field])) + [tokenizer.eos_token_id]
+        prompt = token_ids(tokenizer, self.template.format(prompt=row[self.prompt_field]))
+        target = token_ids(tokenizer, self.answer_template.format(answer=row[self.answer_field])) + [tokenizer.eos_token_id]
         if len(prompt) >= seq_len:
             return None
         ids = (prompt + target)[:seq_len]
@@ -98,8 +98,8 @@ class QAJsonlTask(Task):
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Tokenize prompts and answers; drop examples whose prompt alone fills ``seq_len``."""
         train_rows, eval_rows = self._rows()
-        train_rows = _subsample(train_rows, self.max_train_examples, self.seed)
-        eval_rows = _subsample(eval_rows, self.max_eval_examples, None)
+        train_rows = subsample(train_rows, self.max_train_examples, self.seed)
+        eval_rows = subsample(eval_rows, self.max_eval_examples, None)
         out: dict[str, list[Example]] = {"train": [], "eval": []}
         skipped = 0
         for name, rows in (("train", train_rows), ("eval", eval_rows)):

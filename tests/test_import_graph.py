@@ -1,0 +1,107 @@
+"""The import graph of ``lcsb_lightning``, read with ``ast`` (imports inside functions included): no module
+imports itself through others, and none imports another module's ``_private`` names."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "lcsb_lightning"
+PACKAGE = ROOT.name
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = [PACKAGE, *path.relative_to(ROOT).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str) -> Iterator[tuple[str, str | None, int]]:
+    """``(imported module, imported name or None, line)`` for each ``lcsb_lightning`` import of ``module``."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    yield f"{base}.{alias.name}", None, node.lineno
+                else:
+                    yield base, alias.name, node.lineno
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {target for target, _, _ in _imports(m) if target in MODULES and target != m} for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    assert "lcsb_lightning.bench.runner" in _graph()["lcsb_lightning.recipes.cli"]  # imported in a function
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def _private_imports() -> list[str]:
+    return [f"{MODULES[m].relative_to(ROOT.parent)}:{line}: {name} from {target}"
+            for m in MODULES for target, name, line in _imports(m)
+            if target in MODULES and target != m and name and name.startswith("_") and not name.startswith("__")]
+
+
+KNOWN = "lcsb_lightning/prefix_cache.py:"  # private helpers of selective.py, being made public on another branch
+
+
+def test_no_private_names_imported_from_other_modules() -> None:
+    assert [line for line in _private_imports() if not line.startswith(KNOWN)] == []
+
+
+@pytest.mark.xfail(strict=True, reason="prefix_cache.py imports _hidden_input, _replace_hidden, _trainable_leaves and "
+                   "_uses_reentrant_checkpoint from selective.py: remove this mark when that fix is merged")
+def test_prefix_cache_imports_no_private_names() -> None:
+    assert [line for line in _private_imports() if line.startswith(KNOWN)] == []
