@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
-from lcsb_lightning.selective import _hidden_input, _replace_hidden, _trainable_leaves, _uses_reentrant_checkpoint
+from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable_leaves, uses_reentrant_checkpoint
 
 #: Name of the frozen-prefix wrapper in a block's forward stack.
 FROZEN_WRAPPER = "lcsb_frozen_prefix"
@@ -186,9 +186,9 @@ class FrozenBlockForward:
         if not shared.active(self.index):
             return inner(*args, **kwargs)
         last = self.index == shared.frozen - 1
-        hidden_in = _hidden_input(args, kwargs)
+        hidden_in = hidden_input(args, kwargs)
         if self.index == 0 and hidden_in.grad_fn is not None and not shared.below:
-            shared.below = _trainable_leaves(hidden_in)
+            shared.below = trainable_leaves(hidden_in)
         if self.index == 0 and shared.hit is None and shared.seed is None:
             shared.hit = shared.assemble(hidden_in, shared.store)
             shared.seed = shared.assemble(hidden_in, shared.previous) if shared.hit is None else None
@@ -204,9 +204,9 @@ class FrozenBlockForward:
                 output = inner(*args, **kwargs)
             if last and shared.max_bytes > 0:
                 shared.remember(output)
-        if last and shared.frozen < len(shared.blocks) and _uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
+        if last and shared.frozen < len(shared.blocks) and uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
-            output = _replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
+            output = replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
         return output
 
 
