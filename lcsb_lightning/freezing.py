@@ -76,8 +76,8 @@ class ProgressiveFreezing(FitScopedCallback):
         schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that
             many of the lowest blocks (an int), or that share of them (a float in (0, 1)); never fewer than an
             earlier epoch.
-        cache: Store the frozen blocks' outputs per example and reuse them. ``False``: only their
-            backward is saved.
+        cache: Store the frozen blocks' outputs per example, in host memory, and reuse them (not while a
+            dropout is active in the frozen blocks: warned). ``False``: only their backward is saved.
         max_cache_mb: At most this many MB of stored outputs (the rest are recomputed every epoch).
         cache_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to store the outputs in (the
             half-precision ones halve the memory and make a replay inexact); ``None``: the activations'.
