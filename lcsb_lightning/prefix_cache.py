@@ -125,8 +125,8 @@ class _Shared:
         self.max_bytes, self.dtype = max_bytes, dtype
         self.rows: list[_Row] | None = None  # the current training batch; None: run the blocks as they are
         self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
-        self.forwards = self.batch_rows = 0  # block 0's frozen forwards since set_batch (the first replays or stores), its rows
-        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (host), (batch, sequence, 2)
+        self.forwards = self.batch_rows = 0  # block 0's forwards since set_batch (the first replays or stores), its rows
+        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see _probe)
         self.store: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (output, probe) on the host
         # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
         self.previous: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -205,10 +205,9 @@ class _Shared:
         entries = [store.get(row.key) for row in self.rows]
         if not store or any(entry is None for entry in entries):
             return None
-        for (value, probe), row, live in zip(entries, self.rows, self.probe):  # type: ignore[misc]
-            if value.shape[0] != (like.shape[1] if row.length is None else row.length) or not torch.equal(
-                    probe, live[: value.shape[0]]):
-                return None  # the rows were cut to another length, or another input reaches block 0
+        probes = zip((entry[1] for entry in entries if entry is not None), self.probe)
+        if not all(torch.equal(stored, live[: stored.shape[0]]) for stored, live in probes):
+            return None  # another input reaches block 0, or a row cut shorter
         out = torch.zeros(like.shape[0], like.shape[1], *entries[0][0].shape[1:], dtype=self.activation_dtype,
                           device=like.device)
         for j, (value, _) in enumerate(entries):  # type: ignore[misc]
