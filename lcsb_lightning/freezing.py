@@ -61,14 +61,23 @@ class ProgressiveFreezing(FitScopedCallback):
 
     It works alone (full backprop above the frozen blocks) and beside :class:`~lcsb_lightning.LCSBCallback`
     (selective backprop above them). Frozen parameters get no update of any kind, whatever LCSB's
-    ``momentum``. The parameters it froze get ``requires_grad`` back when fit ends.
+    ``momentum``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
+    unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
+    An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
+
+    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` turns on every
+    parameter of a module (a frozen block's base weights, which a LoRA run never trains, too), its
+    restore replaces the optimizer's ``param_groups`` with the ones it recorded (this callback never
+    changes them), and its ``finetune_function`` runs from ``on_train_epoch_start``, which Lightning skips
+    when it resumes mid-epoch (a resumed frozen epoch would train the frozen blocks until it ends). What
+    it would share (``requires_grad`` off and on) is the few lines of :meth:`_freeze_params` and :meth:`_release`.
 
     Args:
         schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that
             many of the lowest blocks (an int), or that share of them (a float in (0, 1)); never fewer than an
             earlier epoch.
-        cache: Store the frozen blocks' outputs per example and reuse them. ``False``: only their
-            backward is saved.
+        cache: Store the frozen blocks' outputs per example, in host memory, and reuse them (not while a
+            dropout is active in the frozen blocks: warned). ``False``: only their backward is saved.
         max_cache_mb: At most this many MB of stored outputs (the rest are recomputed every epoch).
         cache_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to store the outputs in (the
             half-precision ones halve the memory and make a replay inexact); ``None``: the activations'.
@@ -103,6 +112,7 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix: FrozenPrefix | None = None
         self.frozen = 0
         self._frozen_params: list[nn.Parameter] = []
+        self._tied: set[int] = set()  # ids of the parameters used twice (an embedding tied to the head): never frozen
         self._no_ids_warned = False
 
     @property
@@ -122,6 +132,7 @@ class ProgressiveFreezing(FitScopedCallback):
         if stage != "fit":
             return
         self._release()
+        self.frozen = 0  # a new fit starts unfrozen; a checkpoint's load_state_dict comes after this
         if trainer.world_size > 1:
             raise ValueError(
                 f"ProgressiveFreezing runs in one process; this Trainer has {trainer.world_size}. Freezing "
@@ -136,8 +147,9 @@ class ProgressiveFreezing(FitScopedCallback):
                              f"allowed: fewer than {len(found)} (something above them has to train).")
         if any(later < earlier for earlier, later in zip(counts, counts[1:])):
             raise ValueError(f"`schedule={self.schedule}` unfreezes blocks ({counts} frozen); a freeze only grows.")
+        self._tied = _shared_ids(pl_module)
         tied = next((name for name, p in pl_module.named_parameters() if id(p) in _embedding_ids(pl_module) and p.requires_grad
-                     and id(p) in _shared_ids(pl_module)), None)
+                     and id(p) in self._tied), None)
         if tied and self.cache and max(counts) > 0:
             raise ValueError(
                 f"The input embedding ({tied}) trains and is tied to the LM head: it changes at every step, so "
@@ -148,6 +160,8 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix = FrozenPrefix(found, max_bytes=max_bytes, dtype=_DTYPES.get(self.cache_dtype or ""))
         rank_zero_info(f"ProgressiveFreezing: {dict(zip(self.schedule, counts))} of {len(found)} blocks frozen by "
                        f"epoch, cache={'on' if self.cache else 'off'}.")
+        if self.frozen:  # restored from a checkpoint: Lightning skips on_train_epoch_start when it resumes mid-epoch
+            self._freeze(pl_module, self.frozen)
 
     def _release(self) -> None:
         if self.prefix is not None:
@@ -171,14 +185,12 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix.freeze(num_blocks)
         self.frozen = num_blocks
         params = [p for block in self.prefix.blocks[:num_blocks] for p in block.parameters()]
-        # the input embedding lies below the first block; tied to the head (cache=False only) it trains on from there
-        shared = _shared_ids(pl_module)
-        params += [p for p in pl_module.parameters() if id(p) in _embedding_ids(pl_module) and id(p) not in shared]
+        params += [p for p in pl_module.parameters() if id(p) in _embedding_ids(pl_module)]  # below the first block
         self._freeze_params(params)
 
     def _freeze_params(self, params: list[nn.Parameter]) -> None:
         for p in params:
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in self._tied:
                 p.requires_grad_(False)
                 p.grad = None
                 self._frozen_params.append(p)
@@ -207,6 +219,8 @@ class ProgressiveFreezing(FitScopedCallback):
         if below:  # found by the graph, for a model without get_input_embeddings()
             self._freeze_params(below)  # type: ignore[arg-type]
             self.prefix.clear_store()  # computed while they still trained
+            if any(p.requires_grad for p in below):
+                self.prefix.shared.disable("a tensor below the first block trains on (tied to the LM head)")
         pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,

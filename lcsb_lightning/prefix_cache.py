@@ -12,30 +12,39 @@ An example is known by its tokens: :meth:`FrozenPrefix.set_batch` hashes each ro
 before the forward pass. A right-padded row (``attention_mask`` ones, then zeros) is stored without
 its padding and padded with zeros when it is replayed, so the same example batched with different
 neighbours (dynamic padding) still hits; the padding positions' hidden states reach no real position
-through a masked attention, and their labels are ignored. Evaluation (a block in ``eval()`` mode, or
-no batch set) always runs the blocks as they are.
+through a masked attention, and their labels are ignored. The tokens name the example, what block 0
+receives decides: each stored output keeps a probe of block 0's input (per position, the sum of its
+hidden state and its ``position_ids``), and a batch replays only if the live probe equals the stored
+one at every real position, so a ``training_step`` that masks or perturbs the inputs, shifts the
+positions or truncates the rows recomputes. Only the first forward pass after :meth:`~FrozenPrefix.set_batch`
+replays or stores; a second one in the same step, evaluation (a block in ``eval()`` mode) and a
+forward pass with no batch set run the blocks as they are.
 
-The prefix must really be frozen: the caller turns ``requires_grad`` off for its parameters and keeps
-the optimizer from moving them (:class:`~lcsb_lightning.freezing.ProgressiveFreezing` does both), and
-any dropout inside it should be off (a stored output is one sample of it).
+The stored outputs live in host memory (the accelerator's is for the activations); a replay copies the
+batch's rows back. The prefix must really be frozen: the caller turns ``requires_grad`` off for its
+parameters and keeps the optimizer from moving them (:class:`~lcsb_lightning.freezing.ProgressiveFreezing`
+does both). A dropout active inside it (a ``p > 0`` dropout module or an attention dropout in training
+mode: peft's ``lora_dropout``, a residual dropout) would make a stored output one sample of it: a freeze
+that finds one stores nothing, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
-from lcsb_lightning.selective import _hidden_input, _replace_hidden, _trainable_leaves, _uses_reentrant_checkpoint
+from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable_leaves, uses_reentrant_checkpoint
 
 #: Name of the frozen-prefix wrapper in a block's forward stack.
 FROZEN_WRAPPER = "lcsb_frozen_prefix"
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass
@@ -81,6 +90,32 @@ def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[
     return rows
 
 
+def _probe(hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Per position of block 0's input, the sum of its hidden state and its ``position_ids`` (0 without), on the
+    host: ``(batch, sequence, 2)``."""
+    summed = hidden.detach().float().sum(-1)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == summed.shape[-1]:
+        positions = positions.expand_as(summed).float()
+    else:
+        positions = torch.zeros_like(summed)
+    return torch.stack((summed, positions), -1).cpu()
+
+
+def _active_dropout(blocks: Sequence[nn.Module]) -> str | None:
+    """The first dropout of ``blocks`` that is active (training mode, ``p > 0``), described; None if there is none."""
+    for index, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            p = module.p if isinstance(module, _DROPOUTS) else getattr(module, "attention_dropout", 0.0)
+            if module.training and isinstance(p, (int, float)) and p > 0:
+                return f"block {index}'s {name or 'itself'}: {type(module).__name__}, p={p}"
+    return None
+
+
+def _nbytes(entry: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in entry)
+
+
 class _Shared:
     """What the wrappers of one :class:`FrozenPrefix` share."""
 
@@ -90,9 +125,11 @@ class _Shared:
         self.max_bytes, self.dtype = max_bytes, dtype
         self.rows: list[_Row] | None = None  # the current training batch; None: run the blocks as they are
         self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
-        self.store: dict[bytes, torch.Tensor] = {}
+        self.forwards = self.batch_rows = 0  # block 0's forwards since set_batch (the first replays or stores), its rows
+        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see _probe)
+        self.store: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (output, probe) on the host
         # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
-        self.previous: dict[bytes, torch.Tensor] = {}
+        self.previous: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.previous_frozen = 0
         self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
         self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output: its type and what follows the hidden states
@@ -103,6 +140,11 @@ class _Shared:
 
     def active(self, index: int) -> bool:
         return index < self.frozen and self.rows is not None and self.blocks[index].training
+
+    def named(self) -> bool:
+        """Whether the running forward pass is the one :meth:`FrozenPrefix.set_batch` named the rows of: the first
+        since, and as many rows as named."""
+        return self.forwards == 1 and self.batch_rows == len(self.rows or ())
 
     def rebuild_output(self, hidden: torch.Tensor) -> Any:
         assert self.output_kind is not None
@@ -118,27 +160,28 @@ class _Shared:
             return
         self.output_kind = (type(output), rest)
         self.activation_dtype = hidden.dtype
-        assert self.rows is not None
+        assert self.rows is not None and self.probe is not None
         for j, row in enumerate(self.rows):
             if row.key in self.store:
                 continue
-            value = hidden[j] if row.length is None else hidden[j, : row.length]
-            value = value.detach().to(self.dtype or hidden.dtype, copy=True)
-            size = value.numel() * value.element_size()
-            if self.stats.stored_bytes + size > self.max_bytes:
+            old = self.previous.pop(row.key, None)  # superseded: released before its successor is budgeted
+            if old is not None:
+                self.stats.stored_bytes -= _nbytes(old)
+            end = hidden.shape[1] if row.length is None else row.length
+            if end > hidden.shape[1]:
+                continue  # the live rows are shorter than the batch's mask says
+            entry = (hidden[j, :end].detach().to("cpu", self.dtype or hidden.dtype, copy=True),
+                     self.probe[j, :end].clone())
+            if self.stats.stored_bytes + _nbytes(entry) > self.max_bytes:
                 self.stats.dropped_examples += 1
                 continue
-            self.store[row.key] = value
+            self.store[row.key] = entry
             self.stats.stored_examples += 1
-            self.stats.stored_bytes += size
-            old = self.previous.pop(row.key, None)  # superseded: the new store starts from it no more
-            if old is not None:
-                self.stats.stored_bytes -= old.numel() * old.element_size()
+            self.stats.stored_bytes += _nbytes(entry)
 
     def disable(self, reason: str) -> None:
-        if self.disabled_reason is None:
-            warnings.warn(f"FrozenPrefix stores nothing: {reason}; the frozen blocks still run without a graph.",
-                          stacklevel=3)
+        if self.disabled_reason is None and self.max_bytes > 0:
+            rank_zero_warn(f"FrozenPrefix stores nothing: {reason}; the frozen blocks still run without a graph.")
         self.disabled_reason = reason
         self.max_bytes = 0
         self.clear()
@@ -152,18 +195,22 @@ class _Shared:
         previous = self.store
         self.clear()
         self.previous, self.previous_frozen = previous, self.frozen
-        self.stats.stored_bytes = sum(v.numel() * v.element_size() for v in previous.values())
+        self.stats.stored_bytes = sum(_nbytes(entry) for entry in previous.values())
         self.frozen = num_blocks
 
-    def assemble(self, like: torch.Tensor, store: dict[bytes, torch.Tensor]) -> torch.Tensor | None:
-        """The stored output of every row of the batch, padded to ``like``'s shape; None if one is missing."""
-        assert self.rows is not None
-        if not store or not all(row.key in store for row in self.rows):
+    def assemble(self, like: torch.Tensor, store: dict[bytes, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The stored output of every row of the batch, padded to ``like``'s shape; None if one is missing, or
+        if a row's stored probe is not the live one (another input than the stored example's reaches block 0)."""
+        assert self.rows is not None and self.probe is not None
+        entries = [store.get(row.key) for row in self.rows]
+        if not store or any(entry is None for entry in entries):
             return None
-        out = torch.zeros(like.shape[0], like.shape[1], *store[self.rows[0].key].shape[1:],
-                          dtype=self.activation_dtype, device=like.device)
-        for j, row in enumerate(self.rows):
-            value = store[row.key]
+        probes = zip((entry[1] for entry in entries if entry is not None), self.probe)
+        if not all(torch.equal(stored, live[: stored.shape[0]]) for stored, live in probes):
+            return None  # another input reaches block 0, or a row cut shorter
+        out = torch.zeros(like.shape[0], like.shape[1], *entries[0][0].shape[1:], dtype=self.activation_dtype,
+                          device=like.device)
+        for j, (value, _) in enumerate(entries):  # type: ignore[misc]
             out[j, : value.shape[0]] = value.to(device=like.device, dtype=self.activation_dtype)
         return out
 
@@ -186,27 +233,31 @@ class FrozenBlockForward:
         if not shared.active(self.index):
             return inner(*args, **kwargs)
         last = self.index == shared.frozen - 1
-        hidden_in = _hidden_input(args, kwargs)
+        hidden_in = hidden_input(args, kwargs)
         if self.index == 0 and hidden_in.grad_fn is not None and not shared.below:
-            shared.below = _trainable_leaves(hidden_in)
-        if self.index == 0 and shared.hit is None and shared.seed is None:
-            shared.hit = shared.assemble(hidden_in, shared.store)
-            shared.seed = shared.assemble(hidden_in, shared.previous) if shared.hit is None else None
-            shared.stats.batches += 1
-            shared.stats.hits += shared.hit is not None
-            shared.stats.seeded += shared.seed is not None
-        if shared.hit is not None:
+            shared.below = trainable_leaves(hidden_in)
+        if self.index == 0:
+            shared.forwards, shared.batch_rows = shared.forwards + 1, hidden_in.shape[0]
+            if shared.named() and shared.max_bytes > 0:
+                shared.probe = _probe(hidden_in, kwargs)
+                shared.hit = shared.assemble(hidden_in, shared.store)
+                shared.seed = shared.assemble(hidden_in, shared.previous) if shared.hit is None else None
+                shared.stats.hits += shared.hit is not None
+                shared.stats.seeded += shared.seed is not None
+            shared.stats.batches += shared.named()
+        named = shared.named()
+        if shared.hit is not None and named:
             output = shared.rebuild_output(shared.hit if last else hidden_in.detach())
-        elif shared.seed is not None and self.index < shared.previous_frozen:
+        elif shared.seed is not None and named and self.index < shared.previous_frozen:
             output = shared.rebuild_output(shared.seed if self.index == shared.previous_frozen - 1 else hidden_in.detach())
         else:
             with torch.no_grad():
                 output = inner(*args, **kwargs)
-            if last and shared.max_bytes > 0:
+            if last and shared.max_bytes > 0 and named:
                 shared.remember(output)
-        if last and shared.frozen < len(shared.blocks) and _uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
+        if last and shared.frozen < len(shared.blocks) and uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
-            output = _replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
+            output = replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
         return output
 
 
@@ -284,6 +335,10 @@ class FrozenPrefix:
             self.shared.clear()
             self.shared.below = []
             self.shared.frozen = num_blocks
+        dropout = _active_dropout(self.blocks[:num_blocks])
+        if dropout:
+            self.shared.disable(f"dropout is active in the frozen blocks ({dropout}): a stored output would be one "
+                                "sample of it. Set it to 0 (peft's lora_dropout) to reuse their outputs")
 
     def clear_store(self) -> None:
         """Forget every stored output (they were computed with weights that have changed since)."""
@@ -297,7 +352,13 @@ class FrozenPrefix:
             raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}, `input_ids` "
                              f"{tuple(input_ids.shape)}.")
         self.shared.hit = self.shared.seed = None
-        self.shared.rows = _rows(input_ids, attention_mask) if self.shared.frozen else []
+        self.shared.forwards = 0
+        if not self.shared.frozen:
+            self.shared.rows = []
+        elif self.shared.max_bytes:
+            self.shared.rows = _rows(input_ids, attention_mask)
+        else:  # storing nothing: no key to compute, no host copy
+            self.shared.rows = [_Row(b"", None)] * input_ids.shape[0]
 
     def end_batch(self) -> None:
         """The training batch is done: the next forward passes (evaluation) run the blocks as they are."""

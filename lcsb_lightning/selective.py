@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
+from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable_leaves, uses_reentrant_checkpoint
 
 #: Name of LCSB's wrapper in a block's forward stack.
 SELECTIVE_WRAPPER = "lcsb_selective"
@@ -62,29 +63,6 @@ class IdentityPath(torch.autograd.Function):
         return (grad_out if ctx.needs_input_grad[0] else None, None, *zeros)
 
 
-def _hidden_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    hidden = kwargs.get("hidden_states")
-    if isinstance(hidden, torch.Tensor):
-        return hidden
-    raise TypeError(
-        "A block that LCSB cuts must receive its hidden states as the first positional argument or as "
-        "`hidden_states=`; got neither."
-    )
-
-
-def _replace_hidden(output: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``make`` to the hidden states of a block's ``output`` (a tensor, or a tuple/list led by one)."""
-    if isinstance(output, torch.Tensor):
-        return make(output)
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return type(output)([make(output[0]), *output[1:]])
-    raise TypeError(
-        f"A block that LCSB manages must return a tensor or a tuple led by the hidden states, got {type(output).__name__}."
-    )
-
-
 def identity_path_output(hidden_in: torch.Tensor, output: Any, params: Sequence[torch.Tensor] = ()) -> Any:
     """``output`` with its hidden states attached to ``hidden_in`` by the identity path (zeros to ``params``)."""
 
@@ -99,7 +77,7 @@ def identity_path_output(hidden_in: torch.Tensor, output: Any, params: Sequence[
             return block_out
         return IdentityPath.apply(hidden_in, block_out, *trainable)
 
-    return _replace_hidden(output, attach)
+    return replace_hidden(output, attach)
 
 
 class _Sinks:
@@ -148,7 +126,7 @@ class _Sinks:
         def attach(hidden: torch.Tensor) -> torch.Tensor:
             return IdentityPath.apply(hidden, hidden, *params) if hidden.requires_grad else hidden
 
-        return _replace_hidden(output, attach)
+        return replace_hidden(output, attach)
 
 
 class SelectiveForward:
@@ -184,7 +162,7 @@ class SelectiveForward:
             self.sinks.pending = []
         if not self.cuts():
             return self.sinks.flush_into(inner(*args, **kwargs))
-        hidden_in = _hidden_input(args, kwargs)
+        hidden_in = hidden_input(args, kwargs)
         with torch.no_grad():
             output = inner(*args, **kwargs)
         trainable = [p for p in self.params if p.requires_grad]
@@ -192,10 +170,10 @@ class SelectiveForward:
             if hidden_in.grad_fn is not None:  # a trainable graph below (an embedding): exact zeros for it
                 self.sinks.pending.append(hidden_in)
                 if self.sinks.below is None:
-                    self.sinks.below = _trainable_leaves(hidden_in)
+                    self.sinks.below = trainable_leaves(hidden_in)
             self.sinks.pending.extend(trainable)
             if self.sinks.leaf_for_reentrant and self.index == self.sinks.lowest - 1:
-                return _replace_hidden(output, lambda hidden: hidden.requires_grad_())
+                return replace_hidden(output, lambda hidden: hidden.requires_grad_())
             return output
         if not hidden_in.requires_grad:
             self.sinks.pending.extend(trainable)
@@ -210,31 +188,6 @@ class SelectiveForward:
 def _in_backward() -> bool:
     """Whether the caller runs inside autograd's backward (a checkpoint's recompute)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _trainable_leaves(tensor: torch.Tensor, limit: int = 10_000) -> list[torch.Tensor]:
-    """The parameters that ``tensor``'s autograd graph accumulates gradients into, in discovery order; gives up after ``limit`` graph nodes (a graph that large is no embedding)."""
-    found: dict[int, torch.Tensor] = {}
-    stack, seen = [tensor.grad_fn], set()
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if isinstance(variable, nn.Parameter):
-            found.setdefault(id(variable), variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return list(found.values())
-
-
-def _uses_reentrant_checkpoint(block: nn.Module) -> bool:
-    """Whether ``block`` is a Hugging Face block whose forward runs under a reentrant checkpoint."""
-    if not getattr(block, "gradient_checkpointing", False) or not block.training:
-        return False
-    function = getattr(block, "_gradient_checkpointing_func", None)
-    keywords = getattr(function, "keywords", None) or {}
-    return bool(keywords.get("use_reentrant", False))
 
 
 def cuts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -311,7 +264,7 @@ class SelectiveBackprop:
             wrapper.mode = "train" if index in chosen else other
         self.sinks.lowest = min(chosen, default=len(self.wrappers)) if other == "pass" else 0
         lowest = self.sinks.lowest
-        self.sinks.leaf_for_reentrant = 0 < lowest < len(self.blocks) and _uses_reentrant_checkpoint(self.blocks[lowest])
+        self.sinks.leaf_for_reentrant = 0 < lowest < len(self.blocks) and uses_reentrant_checkpoint(self.blocks[lowest])
 
     @property
     def reaches_below(self) -> bool:

@@ -1,11 +1,12 @@
-"""The random states in a recipe checkpoint: torch's CPU one, every CUDA device's, Python's and numpy's, saved by
-``CausalLMModule.on_save_checkpoint`` and restored by ``on_load_checkpoint`` (CUDA simulated on the CPU)."""
+"""What ``CausalLMModule.on_save_checkpoint`` keeps and ``on_load_checkpoint`` restores: the adapter's tensors
+(every one the run trains, frozen for a while or not) and the random states: torch's CPU one, every CUDA
+device's, Python's and numpy's (CUDA simulated on the CPU)."""
 
 from __future__ import annotations
 
 import io
 import random
-from types import SimpleNamespace
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -13,18 +14,50 @@ import pytest
 import torch
 
 from lcsb_lightning.recipes.module import CausalLMModule
+from lcsb_lightning.recipes.tasks.base import Task
 
-FAKE = SimpleNamespace(_trainable_keys=lambda: set())  # a module without trainable tensors: only the RNG part runs
+
+@cache
+def _module() -> CausalLMModule:
+    """A tiny Llama with LoRA on its attention's query and value projections."""
+    from peft import LoraConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    return CausalLMModule(LlamaForCausalLM(config), None, Task(), lora=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
 
 
 def _save() -> dict[str, Any]:
-    checkpoint: dict[str, Any] = {"state_dict": {}}
-    CausalLMModule.on_save_checkpoint(FAKE, checkpoint)  # type: ignore[arg-type]
+    module = _module()
+    checkpoint: dict[str, Any] = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
     return checkpoint
 
 
 def _load(checkpoint: dict[str, Any]) -> None:
-    CausalLMModule.on_load_checkpoint(FAKE, checkpoint)  # type: ignore[arg-type]
+    _module().on_load_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize("frozen_now", [[], ["layers.0."], ["layers.0.", "layers.1."]])
+def test_the_checkpoint_keeps_every_adapter_tensor_whatever_trains_now(frozen_now: list[str]) -> None:
+    """ProgressiveFreezing turns ``requires_grad`` off for the adapter of its frozen blocks during fit; they are
+    trained weights all the same, and a resume needs them."""
+    module = _module()
+    adapter = {name for name, _ in module.named_parameters() if "lora_" in name}
+    assert len(adapter) == 8
+    for name, p in module.named_parameters():
+        p.requires_grad_(name in adapter and not any(part in name for part in frozen_now))
+    try:
+        checkpoint = _save()
+    finally:
+        for name, p in module.named_parameters():
+            p.requires_grad_(name in adapter)
+    assert set(checkpoint["state_dict"]) == adapter
+    _load(checkpoint)  # complete: accepted
+    checkpoint["state_dict"].pop(sorted(adapter)[0])
+    with pytest.raises(ValueError, match="lacks 1 trainable tensors"):
+        _load(checkpoint)
 
 
 def _draws() -> tuple[float, float, float]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -123,7 +124,10 @@ def test_evaluation_and_unnamed_batches_run_every_block() -> None:
     prefix.remove()
 
 
-@pytest.mark.parametrize(("max_bytes", "stored", "dropped"), [(0, 0, 0), (12 * 32 * 4, 1, 1), (2**20, 2, 0)])
+ROW_BYTES = 12 * (32 + 2) * 4  # a 12-token row: its hidden states (32 floats a token) and its probe (2)
+
+
+@pytest.mark.parametrize(("max_bytes", "stored", "dropped"), [(0, 0, 0), (ROW_BYTES, 1, 1), (2**20, 2, 0)])
 def test_the_store_keeps_to_its_budget(max_bytes: int, stored: int, dropped: int) -> None:
     model = tiny_llama_peft(NUM_BLOCKS)
     prefix = FrozenPrefix(_freeze_lowest(model, FROZEN), max_bytes=max_bytes)
@@ -313,4 +317,203 @@ def test_frozen_blocks_are_not_checkpointed_by_quantized_mebp() -> None:
         prefix.end_batch()
         per_step.append([after - b for after, b in zip(calls, before)])
     assert per_step == [[1, 1, 2, 2], [0, 0, 2, 2]]
+    prefix.remove()
+
+
+# ------------------------------------------------------------------ what the frozen blocks would really compute
+def _llama(tied: bool = False, lora_dropout: float = 0.0) -> nn.Module:
+    """The tiny peft Llama of ``tiny_llama_peft``, with its embedding tied to the head (and training), or with
+    peft's ``lora_dropout``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_BLOCKS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tied)
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules="all-linear",
+                      lora_dropout=lora_dropout)
+    model = get_peft_model(LlamaForCausalLM(config), lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    if tied:
+        model.get_input_embeddings().weight.requires_grad_(True)
+    return model
+
+
+class PaddedLM(LightningModule):
+    """A causal LM on right-padded ``{"input_ids", "attention_mask"}`` batches; ``step(module, ids, mask)`` is the
+    training step's loss (what a ``training_step`` may do besides one plain forward)."""
+
+    def __init__(self, model: nn.Module, step: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.step = model, step
+        self.losses: list[float] = []
+
+    def loss(self, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), **kwargs).loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.step(self, batch["input_ids"], batch["attention_mask"])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=5e-3)
+
+
+def _padded_loader() -> DataLoader:
+    """8 examples of 5 to 12 tokens, shuffled anew each epoch, padded to each batch's longest (dynamic padding)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 64, (int(n),), generator=g) for n in torch.randint(5, 13, (8,), generator=g)]
+
+    def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = torch.zeros(len(batch), max(len(r) for r in batch), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, row in enumerate(batch):
+            ids[j, : len(row)], mask[j, : len(row)] = row, 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    return DataLoader(rows, batch_size=2, shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(1))
+
+
+def _plain(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return m.loss(ids, mask)
+
+
+def _second_forward(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    shifted = ids.clone()
+    shifted[:, 0] = (shifted[:, 0] + 1) % 64
+    return m.loss(ids, mask) + m.loss(shifted, mask)
+
+
+def _masked_tokens(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    ids = ids.clone()
+    ids[:, 1] = m.current_epoch + 1  # changes after the batch named its rows: another input reaches block 0
+    return m.loss(ids, mask)
+
+
+def _shifted_positions(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).unsqueeze(0) + m.current_epoch
+    return m.loss(ids, mask, position_ids=positions)
+
+
+def _truncated(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    end = ids.shape[1] - 3 + m.current_epoch  # rows cut shorter than the batch's mask says, less so each epoch
+    return m.loss(ids[:, :end], mask[:, :end])
+
+
+@pytest.mark.parametrize(("step", "lora_dropout", "replays"), [
+    pytest.param(_plain, 0.0, True, id="dynamic-padding"),
+    pytest.param(_second_forward, 0.0, True, id="second-forward"),  # the first forward replays, the second must not
+    pytest.param(_masked_tokens, 0.0, False, id="tokens-changed-in-training-step"),
+    pytest.param(_shifted_positions, 0.0, False, id="position-ids"),
+    pytest.param(_truncated, 0.0, False, id="rows-cut-shorter"),
+    pytest.param(_plain, 0.1, False, id="lora-dropout"),
+])
+def test_the_store_replays_only_what_the_frozen_blocks_would_compute(step: Callable[..., torch.Tensor],
+                                                                     lora_dropout: float, replays: bool) -> None:
+    """Against ``cache=False`` (the frozen blocks run at every step): the same losses and weights, whatever the
+    training step does to the batch, and hits in the last epoch where a replay is exact."""
+    def fit(cache: bool) -> tuple[PaddedLM, dict[str, float]]:
+        torch.manual_seed(0)
+        module = PaddedLM(_llama(lora_dropout=lora_dropout), step)
+        trainer = quiet_trainer(max_epochs=3, callbacks=[ProgressiveFreezing({1: FROZEN}, cache=cache)])
+        trainer.fit(module, _padded_loader())
+        return module, {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    if lora_dropout:
+        with pytest.warns(UserWarning, match="dropout is active in the frozen blocks"):
+            cached, metrics = fit(cache=True)
+    else:
+        cached, metrics = fit(cache=True)
+    plain, _ = fit(cache=False)
+    assert metrics["freeze/cache_hit"] == float(replays)
+    torch.testing.assert_close(cached.losses, plain.losses, rtol=0, atol=1e-6)
+    for (name, p), (_, q) in zip(cached.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)  # a replay pads with zeros: not bit for bit
+
+
+def test_a_tied_embedding_trains_on_in_a_frozen_epoch() -> None:
+    """``cache=False`` keeps an input embedding tied to the LM head training: it is the head too."""
+    module = PaddedLM(_llama(tied=True), _plain)
+    embedding = module.model.get_input_embeddings().weight
+    assert embedding is module.model.get_output_embeddings().weight
+    by_epoch: list[torch.Tensor] = []
+
+    class Snapshot(Callback):
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            by_epoch.append(embedding.detach().clone())
+
+    trainer = quiet_trainer(max_epochs=3, callbacks=[ProgressiveFreezing({1: 1}, cache=False), Snapshot()])
+    trainer.fit(module, _padded_loader())
+    assert not torch.equal(by_epoch[1], by_epoch[2])  # epoch 2: a frozen epoch after the first frozen batch
+    assert embedding.requires_grad
+
+
+def test_a_second_fit_starts_unfrozen() -> None:
+    callback = ProgressiveFreezing({1: 1})
+    module = PaddedLM(_llama(), _plain)
+    quiet_trainer(max_epochs=2, callbacks=[callback]).fit(module, _padded_loader())
+    assert callback.frozen == 1
+    lora0 = {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n and "layers.0." in n}
+    trainer = quiet_trainer(max_epochs=1, callbacks=[callback])
+    trainer.fit(module, _padded_loader())
+    assert trainer.callback_metrics.get("freeze/frozen_blocks") is None and callback.frozen == 0
+    after = dict(module.named_parameters())
+    assert all(not torch.equal(after[n], v) for n, v in lora0.items())  # block 0 trained in epoch 0
+
+
+def test_a_full_store_makes_room_for_the_outputs_of_a_grown_freeze() -> None:
+    """A store with room for exactly the data set: after each growth the new outputs replace the old ones (the
+    old one of an example is released before the new one is budgeted), so the next pass hits again."""
+    model = tiny_llama_peft(NUM_BLOCKS)
+    blocks = _freeze_lowest(model, 3)
+    batches = [_padded_batch([9, 6], 9, seed=0), _padded_batch([7, 8], 8, seed=1)]
+
+    def epoch(prefix: FrozenPrefix) -> None:
+        for ids, mask in batches:
+            prefix.set_batch(ids, mask)
+            _loss(model, ids, mask)
+            prefix.end_batch()
+
+    sizing = FrozenPrefix(blocks)
+    sizing.freeze(1)
+    epoch(sizing)
+    data_set_bytes = sizing.stats.stored_bytes
+    sizing.remove()
+    prefix = FrozenPrefix(blocks, max_bytes=data_set_bytes)
+    for frozen in (1, 2, 3):  # grows twice
+        prefix.freeze(frozen)
+        epoch(prefix)  # stores (seeded from the previous outputs after a growth)
+        hits = prefix.stats.hits
+        epoch(prefix)
+        assert prefix.stats.hits == hits + len(batches), frozen
+        assert prefix.stats.stored_bytes == data_set_bytes and prefix.stats.dropped_examples == 0
+    prefix.remove()
+
+
+def _attention_dropout() -> nn.Module:
+    model = tiny_llama_peft(NUM_BLOCKS)
+    find_blocks(model)[1].self_attn.attention_dropout = 0.1
+    return model
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _llama(lora_dropout=0.1), id="lora-dropout"),
+    pytest.param(_attention_dropout, id="attention-dropout"),
+])
+def test_a_freeze_over_an_active_dropout_stores_nothing(make: Callable[[], nn.Module]) -> None:
+    model = make()
+    blocks = _freeze_lowest(model, FROZEN)
+    prefix = FrozenPrefix(blocks)
+    with pytest.warns(UserWarning, match="dropout is active in the frozen blocks \\(block [01]'s"):
+        prefix.freeze(FROZEN)
+    ids, mask = _padded_batch([6, 6], 6)
+    for _ in range(2):
+        prefix.set_batch(ids, mask)
+        _loss(model, ids, mask)
+        prefix.end_batch()
+    assert prefix.stats.stored_examples == 0 and prefix.stats.hits == 0
     prefix.remove()

@@ -130,6 +130,9 @@ class CausalLMModule(LightningModule):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameter; configure lora:")
         self.model = model.train()  # from_pretrained returns eval mode; Lightning restores modes per loop
+        #: Names of the tensors the run trains (the adapter's), read once: a checkpoint keeps them all, also those a
+        #: callback stops training for a while (ProgressiveFreezing's frozen blocks).
+        self.trained_keys = frozenset(name for name, p in self.named_parameters() if p.requires_grad)
         # Checkpoints hold the trainable parameters only (see on_save_checkpoint): the frozen base weights
         # come from the model source, compressed or not, so loading is not strict about them.
         self.strict_loading = False
@@ -243,18 +246,14 @@ class CausalLMModule(LightningModule):
         return self.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
 
     # ----------------------------------------------------------------------------- checkpoints
-    def _trainable_keys(self) -> set[str]:
-        return {name for name, p in self.named_parameters() if p.requires_grad}
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the trainable (LoRA) tensors only, and the RNG states: a LoRA-sized, resumable checkpoint."""
-        keys = self._trainable_keys()
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
+        """Keep the trained (LoRA) tensors only, and the RNG states: a LoRA-sized, resumable checkpoint."""
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in self.trained_keys}
         checkpoint["rng_states"] = rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint that lacks a trainable tensor of this model (a different LoRA configuration)."""
-        missing = sorted(self._trainable_keys() - set(checkpoint.get("state_dict", {})))
+        missing = sorted(self.trained_keys - set(checkpoint.get("state_dict", {})))
         if missing:
             raise ValueError(
                 f"the checkpoint lacks {len(missing)} trainable tensors of this model (e.g. {', '.join(missing[:3])}): "
