@@ -61,7 +61,7 @@ class ProgressiveFreezing(FitScopedCallback):
 
     It works alone (full backprop above the frozen blocks) and beside :class:`~lcsb_lightning.LCSBCallback`
     (selective backprop above them). Frozen parameters get no update of any kind, whatever LCSB's
-    ``momentum``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
+    ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
     unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
     An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
 

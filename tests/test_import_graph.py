@@ -7,7 +7,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "lcsb_lightning"
 PACKAGE = ROOT.name
@@ -94,14 +93,5 @@ def _private_imports() -> list[str]:
             if target in MODULES and target != m and name and name.startswith("_") and not name.startswith("__")]
 
 
-KNOWN = "lcsb_lightning/prefix_cache.py:"  # private helpers of selective.py, being made public on another branch
-
-
 def test_no_private_names_imported_from_other_modules() -> None:
-    assert [line for line in _private_imports() if not line.startswith(KNOWN)] == []
-
-
-@pytest.mark.xfail(strict=True, reason="prefix_cache.py imports _hidden_input, _replace_hidden, _trainable_leaves and "
-                   "_uses_reentrant_checkpoint from selective.py: remove this mark when that fix is merged")
-def test_prefix_cache_imports_no_private_names() -> None:
-    assert [line for line in _private_imports() if line.startswith(KNOWN)] == []
+    assert _private_imports() == []
