@@ -7,15 +7,17 @@ wheel). Add your own config folder with Hydra's ``--config-dir`` (``-cd``); see 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import warnings
 from pathlib import Path
-from typing import Any
-
-import hydra
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 from lcsb_lightning.recipes import CONFIG_MODULE
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -41,8 +43,10 @@ def quiet_lightning_logging() -> None:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(tips)
     # Deprecations between the libraries (peft reads transformers' `is_gradient_checkpointing`, Lightning's
-    # pytree helper checks torch's `LeafSpec`): nothing a recipe user can act on.
-    for message in (r".*`is_gradient_checkpointing` is deprecated", r".*isinstance\(treespec, LeafSpec\)"):
+    # pytree helper checks torch's `LeafSpec`, torchdata's loader calls torch's `set_vital`): nothing a
+    # recipe user can act on.
+    for message in (r".*`is_gradient_checkpointing` is deprecated", r".*isinstance\(treespec, LeafSpec\)",
+                    r".*'set_vital' is deprecated"):
         warnings.filterwarnings("ignore", message=message)
 
 
@@ -105,13 +109,41 @@ def compose_finetune(overrides: Any) -> DictConfig:
     return compose(config_name="config", overrides=list(overrides))
 
 
+#: The top-level modules each console script needs, and the extra that installs them.
+_RECIPES_MODULES = ("hydra", "omegaconf", "torchdata", "transformers", "peft", "tensorboard", "torchmetrics",
+                    "datasets", "matplotlib", "gguf")
+_BENCH_MODULES = (*_RECIPES_MODULES, "psutil")
+
+
+def require_extra(script: str, extra: str, modules: tuple[str, ...]) -> None:
+    """Exit with one line naming the extra to install when one of ``modules`` is missing (a wheel installed
+    without extras), instead of a ``ModuleNotFoundError`` traceback from deep inside the recipes."""
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        sys.exit(f"{script} needs the `{extra}` extra: pip install \"lcsb-lightning[{extra}]\" "
+                 f"(missing: {', '.join(missing)})")
+
+
 def finetune_main() -> None:
     """``lcsb-finetune [overrides...]`` and ``lcsb-finetune --multirun policy=full,cyclic``."""
+    require_extra("lcsb-finetune", "recipes", _RECIPES_MODULES)
+    import hydra
+
     hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(hydra_task)()
 
 
 def benchmark_main() -> None:
     """``lcsb-benchmark [benchmark=short|standard|full] [overrides...]``: the benchmark studies."""
+    require_extra("lcsb-benchmark", "bench", _BENCH_MODULES)
+    import hydra
+
     hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="benchmark")(hydra_benchmark)()
 
 
