@@ -27,6 +27,7 @@ _LAZY = {
     "load_compressed": "lcsb_lightning.mebp",
     "MeBPConfig": "lcsb_lightning.mebp",
     "chunked_lm_loss": "lcsb_lightning.mebp",
+    "load_smollm2": "lcsb_lightning.recipes.models",
 }
 
 __all__ = ["find_blocks", "map_trainable_params", "SelectiveBackprop", "is_skipped", *_LAZY]

