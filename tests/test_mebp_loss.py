@@ -51,7 +51,7 @@ def test_streamed_head_decompresses_once_per_chunk_and_not_in_backward() -> None
 @pytest.mark.parametrize(
     ("hidden_shape", "labels_shape", "chunk_size", "match"),
     [
-        ((2, 4, 8), (2, 4), 0, r"`chunk_size` must be a positive integer, got 0"),
+        ((2, 4, 8), (2, 4), 0, r"`chunk_size` must be an integer >= 1, got 0"),
         ((2, 4, 8), (2, 5), 4, r"Expected `hidden_states` \(batch, seq, hidden\) and `labels` \(batch, seq\)"),
     ],
 )

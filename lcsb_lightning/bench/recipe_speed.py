@@ -38,6 +38,8 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
+from lcsb_lightning.validation import check_int
+
 log = logging.getLogger(__name__)
 PHASES = ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer", "between")
 
@@ -151,8 +153,7 @@ def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> Non
     Raises:
         ValueError: naming the arm, its cycle and ``steps_per_round``.
     """
-    if isinstance(steps_per_round, bool) or int(steps_per_round) != steps_per_round or steps_per_round < 1:
-        raise ValueError(f"`steps_per_round` must be an integer >= 1, got {steps_per_round!r}.")
+    check_int("steps_per_round", steps_per_round, 1)
     for name, policy in policies.items():
         cycle = getattr(policy, "cycle_steps", None)
         if cycle and steps_per_round % cycle:

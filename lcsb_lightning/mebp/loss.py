@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.mebp.compressed import MAX_CHUNK_ELEMENTS, CompressedLinear
+from lcsb_lightning.validation import check_int
 
 #: Head weights decompressed (and logits computed per token) per vocabulary block: 16 MiB in float32.
 VOCAB_BLOCK_ELEMENTS = 1 << 22
@@ -195,8 +196,7 @@ def chunked_lm_loss(
         >>> bool(torch.allclose(chunked_lm_loss(h, head, y, chunk_size=4), ref, atol=1e-6))
         True
     """
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be a positive integer, got {chunk_size!r}.")
+    check_int("chunk_size", chunk_size, 1)
     if hidden_states.dim() != 3 or labels.shape != hidden_states.shape[:2]:
         raise ValueError(
             f"Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "

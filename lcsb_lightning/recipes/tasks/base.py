@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from lcsb_lightning.recipes.batching import Example
+from lcsb_lightning.validation import check_int
 
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -67,8 +68,8 @@ class Task:
 
     def __init__(self, max_train_examples: int | None = None, max_eval_examples: int | None = None, seed: int = 0):
         for name, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
-            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
-                raise ValueError(f"{name} must be a positive integer or null, got {value!r}")
+            if value is not None:
+                check_int(name, value, 1)
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
         self.seed = seed
