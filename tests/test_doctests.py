@@ -15,6 +15,7 @@ MODULES = [
     "lcsb_lightning.policies.simple",
     "lcsb_lightning.policies.stochastic",
     "lcsb_lightning.bench.spec",
+    "lcsb_lightning.bench.cost_model",
     "lcsb_lightning.forward_wrap",
     "lcsb_lightning.recipes.config",
     "lcsb_lightning.validation",

@@ -24,7 +24,8 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_options() -> None:
-    assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m", "tiny"]
+    assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m",
+                                "smollm2_135m_random", "smollm2_360m_random", "tiny"]
     assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
     assert options("policy") == ["cyclic", "dyadic", "full", "grad_norm", "paper", "random", "top_only"]
     assert options("mebp") == ["int4", "nf4", "none"]
@@ -168,7 +169,8 @@ def test_preset_options_instantiate(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "layers", "params_b"),
-    [("qwen2.5_0.5b", 24, 0.494), ("qwen2.5_1.5b", 28, 1.54), ("qwen2.5_3b", 36, 3.09), ("gemma3_1b", 26, 1.0)],
+    [("qwen2.5_0.5b", 24, 0.494), ("qwen2.5_1.5b", 28, 1.54), ("qwen2.5_3b", 36, 3.09), ("gemma3_1b", 26, 1.0),
+     ("smollm2_135m_random", 30, 0.1345), ("smollm2_360m_random", 32, 0.3618)],
 )
 def test_random_init_shapes_instantiate_on_meta(name: str, layers: int, params_b: float) -> None:
     bundle = instantiate(compose_cfg([f"model={name}", "model.init_device=meta"]).model)

@@ -157,3 +157,20 @@ def divergence_grid(grid: Sequence[Mapping[str, Any]], path: Path) -> Path:
     ax.set_yticks(range(len(rows)), [f"{f} {a}" for f, a in rows])
     ax.set(title="diverged runs / runs", xlabel="learning rate")
     return _save(fig, path)
+
+
+def cost_constant(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """The constant ``a`` of the step-cost model against the parameter count (log scale), one line per
+    pipeline, the bars spanning the per-round fits."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for pipeline in dict.fromkeys(r["pipeline"] for r in rows):
+        mine = sorted((r for r in rows if r["pipeline"] == pipeline), key=lambda r: r["params"])
+        xs, ys = [r["params"] for r in mine], [r["a"] for r in mine]
+        err = [[y - r["a_min"] for y, r in zip(ys, mine)], [r["a_max"] - y for y, r in zip(ys, mine)]]
+        ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=pipeline)
+        for x, y, r in zip(xs, ys, mine):
+            ax.annotate(r["shape"], (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+    ax.set_xscale("log")
+    ax.set(xlabel="parameters", ylabel="a (share of full backprop's step)", title="step cost a + b·d: the constant a")
+    ax.legend(fontsize=7)
+    return _save(fig, path)

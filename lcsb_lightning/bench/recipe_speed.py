@@ -11,7 +11,8 @@ wall-clock is the sum of its steps, and a dyadic cycle's one full-depth step cos
 shallow ones), then the median over rounds (a round that a disturbance of the machine hit does not count).
 
 :class:`PhaseTimer` splits every step into the phases Lightning's hooks delimit, and times the LM
-head's forward and backward with module hooks:
+head's forward and backward with module hooks (``lm_head_and_loss``: from the LM head's first forward call
+to the end of ``training_step``, i.e. the head, the loss and the ``self.log`` calls, a part of ``forward``):
 
 ================ =====================================================================
 ``forward``      ``training_step``: the model, the loss, ``self.log`` calls
@@ -30,7 +31,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,25 +46,42 @@ PHASES = ("forward", "zero_grad", "backward", "before_step", "clip", "optimizer"
 
 
 class PhaseTimer(Callback):
-    """Wall time of each phase of every training step (place it after every other callback)."""
+    """Wall time of each phase of every training step (place it after every other callback).
 
-    def __init__(self, lm_head: torch.nn.Module | None = None) -> None:
+    Args:
+        lm_head: The module whose forward and backward to time, or a function of the LightningModule that
+            returns it at the start of training (after a precision plugin such as QuantizedMeBP's has
+            replaced the model's modules: hooks on the module before would never fire).
+    """
+
+    def __init__(self, lm_head: torch.nn.Module | Callable[[LightningModule], torch.nn.Module] | None = None) -> None:
         self.steps: list[dict[str, float]] = []
         self._marks: dict[str, float] = {}
         self._last_end: float | None = None
         self._lm_head_ms = {"forward": 0.0, "backward": 0.0}
         self._head_t0 = 0.0
         self._handles: list[Any] = []
-        if lm_head is not None:
-            self._handles = [
-                lm_head.register_forward_pre_hook(lambda *_: self._head_start()),
-                lm_head.register_forward_hook(lambda *_: self._head_stop("forward")),
-                lm_head.register_full_backward_pre_hook(lambda *_: self._head_start()),
-                lm_head.register_full_backward_hook(lambda *_: self._head_stop("backward")),
-            ]
+        self._lm_head_of = lm_head if callable(lm_head) and not isinstance(lm_head, torch.nn.Module) else None
+        if isinstance(lm_head, torch.nn.Module):
+            self._hook(lm_head)
 
-    def _head_start(self) -> None:
+    def _hook(self, lm_head: torch.nn.Module) -> None:
+        self._handles = [
+            lm_head.register_forward_pre_hook(lambda *_: self._head_start(first_forward=True)),
+            lm_head.register_forward_hook(lambda *_: self._head_stop("forward")),
+            lm_head.register_full_backward_pre_hook(lambda *_: self._head_start()),
+            lm_head.register_full_backward_hook(lambda *_: self._head_stop("backward")),
+        ]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._lm_head_of is not None:
+            self.remove_hooks()
+            self._hook(self._lm_head_of(pl_module))
+
+    def _head_start(self, first_forward: bool = False) -> None:
         self._head_t0 = time.perf_counter()
+        if first_forward:
+            self._marks.setdefault("head_start", self._head_t0)
 
     def _head_stop(self, phase: str) -> None:
         self._lm_head_ms[phase] += (time.perf_counter() - self._head_t0) * 1e3
@@ -71,6 +89,7 @@ class PhaseTimer(Callback):
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
     def wrap_clipping(self, trainer: Trainer) -> None:
         """Time ``clip_gradients`` of the precision plugin (an instance attribute, removed by :meth:`unwrap_clipping`)."""
@@ -126,6 +145,8 @@ class PhaseTimer(Callback):
         }
         if "between" in m:
             row["between"] = m["between"]
+        if "head_start" in m:
+            row["lm_head_and_loss"] = m["forward_end"] - m["head_start"]
         row["total"] = sum(row[p] for p in PHASES if p in row)
         self.steps.append(row)
         self._last_end = end
@@ -198,7 +219,7 @@ def time_task(
     load_before = list(os.getloadavg())
     for round_index in range(rounds):
         for name, cfg in configs.items():
-            timer = PhaseTimer(prepared.module.model.get_base_model().get_output_embeddings())
+            timer = PhaseTimer(lambda module: module.model.get_base_model().get_output_embeddings())
             trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
             timer.wrap_clipping(trainer)
             try:

@@ -333,6 +333,9 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                 table(["config", "processes", "strategy", "s/step (median)", "tokens/s"],
                       [[r["labels"]["config"], str(r.get("processes")), str(r.get("strategy")), _f(r.get("median_s")),
                         _f(r.get("tokens_per_s"), ".0f")] for r in ddp]), ""]
+    from lcsb_lightning.bench.cost_model import markdown as cost_model_sections
+
+    out += cost_model_sections(tables)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     return "\n".join(out)

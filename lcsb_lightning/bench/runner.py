@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lcsb_lightning.bench import plots, report
+from lcsb_lightning.bench import cost_model, plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
     StepTime, elapsed, phased_step_times, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within,
@@ -54,7 +54,7 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     expand: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
         "quality": lambda c: finetune_arms("quality", c), "ablation": lambda c: finetune_arms("ablation", c),
         "recipe_speed": recipe_speed_arms, "speed": speed_arms, "memory": memory_arms, "stability": stability_arms,
-        "ddp_speed": ddp_speed_arms,
+        "ddp_speed": ddp_speed_arms, "cost_model": cost_model.arms,
     }
     arms = {s: expand[s](bench[s]) for s in studies}
     for study in (*FINETUNE_STUDIES, "stability"):
@@ -294,6 +294,7 @@ def _run_ddp_speed(arms: Sequence[Arm], d: Mapping[str, Any], root: Path, compos
 RUNNERS: dict[str, Callable[..., None]] = {
     "recipe_speed": _run_recipe_speed, "quality": _run_finetune_study, "ablation": _run_finetune_study,
     "speed": _run_speed, "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
+    "cost_model": cost_model.run,
 }
 
 
@@ -341,6 +342,8 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         tables["stability"] = report.stability_grid(res)
     if "ddp_speed" in arms:
         tables["ddp_speed"] = [r for a in arms["ddp_speed"] if (r := load_result(root, a)) is not None]
+    if "cost_model" in arms:
+        tables.update(cost_model.tables(root, arms["cost_model"], bench["cost_model"]))
     return tables
 
 
@@ -362,6 +365,8 @@ def make_plots(root: Path, tables: Mapping[str, Any], bench: Mapping[str, Any]) 
         out.append(plots.phase_bars(tables["recipe_speed"], root / "plots" / "recipe_speed_phases.png"))
     if tables.get("stability"):
         out.append(plots.divergence_grid(tables["stability"], root / "plots" / "divergence_grid.png"))
+    if tables.get("cost_model"):
+        out.append(plots.cost_constant(tables["cost_model"], root / "plots" / "cost_model_constant.png"))
     return [str(p.relative_to(root)) for p in out]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
-STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed")
+STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed", "cost_model")
 FINETUNE_STUDIES = ("quality", "ablation")
 
 

@@ -1,0 +1,308 @@
+"""The step-cost model across scales: a step costs ``a + b·d`` of full backprop's.
+
+``d`` is the step's backward depth as a share of the blocks; ``a`` the constant part every schedule pays (the
+forward of every block with its decompression, the LM head and the loss, the optimizer). For every random-init
+shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only`` with ``fraction=d`` and the exact
+``all_reached`` backward; ``d = 1`` is ``policy=full``) alternate round by round in the recipe's own loop
+(:func:`~lcsb_lightning.bench.recipe_speed.time_task`, a warm-up step per round). Least squares on
+``t(d) / t_full`` gives ``a`` and ``b`` per round and pooled over the rounds; the same fit of every phase's time
+(:class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer`) splits ``a`` into its parts (their intercepts add up to
+``a``, least squares being linear in the times).
+
+The projection (:func:`projected_ratio`, :func:`break_even`) is on paper: a policy's measured steps to a target,
+as a ratio ``s`` to full backprop's, at its mean depth ``d``, gives a time-to-quality ratio ``s (a + b d)``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, load_result, settings_hash, slug
+from lcsb_lightning.recipes.outputs import atomic_write_json
+
+log = logging.getLogger(__name__)
+#: The constant's parts: ``forward`` is the blocks' forward with their decompression (the recipe's forward
+#: less the LM head and loss), ``backward`` the backward's constant (the head's and the loss's backward),
+#: ``rest`` zero_grad, LCSB's gradient bookkeeping, clipping and the time between steps.
+SPLIT = ("forward", "lm_head_and_loss", "backward", "optimizer", "rest")
+_REST = ("zero_grad", "before_step", "clip", "between")
+
+
+def depth_arms(depths: Sequence[float]) -> dict[str, list[str]]:
+    """The fixed-depth arms: ``{"d0.125": [policy=top_only, ...], ..., "full": [policy=full]}`` (full always).
+
+    Raises:
+        ValueError: a depth outside (0, 1].
+    """
+    bad = [d for d in depths if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1]
+    if bad or not depths:
+        raise ValueError(f"`depths` must be a non-empty list of shares of the blocks in (0, 1], got {list(depths)!r}.")
+    arms = {f"d{float(d):g}": ["policy=top_only", f"policy.fraction={float(d)}", "lcsb.backward=all_reached"]
+            for d in sorted(set(map(float, depths))) if d < 1}
+    return {**arms, "full": ["policy=full"]}
+
+
+def realized_depth(overrides: Sequence[str], num_blocks: int) -> float:
+    """The share of ``num_blocks`` the arm's backward reaches (``top_only`` trains ``max(1, round(f N))`` blocks)."""
+    from lcsb_lightning.policies import TopOnlyPolicy
+
+    fraction = next((o.split("=", 1)[1] for o in overrides if o.startswith("policy.fraction=")), None)
+    if fraction is None:
+        return 1.0
+    policy = TopOnlyPolicy(fraction=float(fraction))
+    policy.setup(num_blocks=num_blocks)
+    return len(policy.select(0)) / num_blocks
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)``.
+
+    Example::
+
+        >>> fit_line([0.25, 0.5, 1.0], [0.55, 0.7, 1.0])
+        (0.4, 0.6)
+
+    Raises:
+        ValueError: fewer than two distinct ``xs``, or ``xs`` and ``ys`` of different lengths.
+    """
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"A line needs points at two or more distinct depths, got xs={list(xs)!r}, ys={list(ys)!r}.")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return round(my - b * mx, 12), round(b, 12)
+
+
+def split_phases(step: Mapping[str, float]) -> dict[str, float]:
+    """One step's :class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer` row as the parts of :data:`SPLIT`
+    (they add up to its ``total``)."""
+    head = step.get("lm_head_and_loss", 0.0)
+    return {"forward": step["forward"] - head, "lm_head_and_loss": head, "backward": step["backward"],
+            "optimizer": step["optimizer"], "rest": sum(step.get(p, 0.0) for p in _REST)}
+
+
+def _round_means(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    parts = [split_phases(s) for s in steps]
+    return {k: statistics.fmean(p[k] for p in parts) for k in SPLIT} | {"total": statistics.fmean(s["total"] for s in steps)}
+
+
+def fit_cost(raw: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], depths: Mapping[str, float]) -> dict[str, Any]:
+    """``a`` and ``b`` of ``t(d) / t_full`` per round and pooled, and the split of ``a`` into :data:`SPLIT`.
+
+    Args:
+        raw: Arm -> rounds -> timed steps (``time_task``'s ``raw``); ``full`` among the arms.
+        depths: Arm -> its realized depth.
+
+    Returns:
+        ``{"a", "b", "a_rounds", "b_rounds", "a_spread", "split": {part: intercept}, "slopes", "points",
+        "full_s"}``: every figure a share of the round's full-backprop step, ``full_s`` its median in seconds.
+
+    Raises:
+        ValueError: no ``full`` arm, rounds of unequal number, or fewer than two distinct depths.
+    """
+    if "full" not in raw or set(raw) != set(depths):
+        raise ValueError(f"`raw` needs the arm 'full' and exactly the arms of `depths`; got {sorted(raw)} and {sorted(depths)}.")
+    rounds = {len(r) for r in raw.values()}
+    if len(rounds) != 1:
+        raise ValueError(f"Every arm needs the same number of rounds, got {({n: len(r) for n, r in raw.items()})}.")
+    means = {name: [_round_means(steps) for steps in arm_rounds] for name, arm_rounds in raw.items()}
+    per_round, points = [], []
+    for i in range(rounds.pop()):
+        full = means["full"][i]["total"]
+        pts = [(depths[n], {k: v / full for k, v in means[n][i].items()}) for n in raw]
+        points += pts
+        per_round.append(fit_line([d for d, _ in pts], [p["total"] for _, p in pts]))
+    pooled = {k: fit_line([d for d, _ in points], [p[k] for _, p in points]) for k in (*SPLIT, "total")}
+    a_rounds = [a for a, _ in per_round]
+    return {"a": pooled["total"][0], "b": pooled["total"][1], "a_rounds": a_rounds, "b_rounds": [b for _, b in per_round],
+            "a_spread": max(a_rounds) - min(a_rounds), "split": {k: pooled[k][0] for k in SPLIT},
+            "slopes": {k: pooled[k][1] for k in SPLIT}, "points": [[d, p["total"]] for d, p in points],
+            "full_s": statistics.median(m["total"] for m in means["full"])}
+
+
+def projected_ratio(a: float, b: float, steps_ratio: float, depth: float) -> float:
+    """Time to quality against full backprop's, on paper: ``steps_ratio * (a + b * depth)``.
+
+    Example::
+
+        >>> round(projected_ratio(0.47, 0.53, 1.25, 0.5), 4)
+        0.9187
+    """
+    return steps_ratio * (a + b * depth)
+
+
+def break_even(params: Sequence[float], ratios: Sequence[float], target: float) -> float | None:
+    """The smallest parameter count from which a projected ratio is at most ``target``, linear in ``log(params)``
+    between the measured shapes; the smallest shape's count where it already is, None where no shape reaches it.
+
+    Example::
+
+        >>> round(break_even([1e8, 1e9], [1.2, 0.8], 1.0) / 1e8, 3)  # halfway in log(params)
+        3.162
+        >>> break_even([1e8, 1e9], [1.2, 1.1], 1.0) is None
+        True
+    """
+    order = sorted(zip(params, ratios))
+    if not order:
+        return None
+    if order[0][1] <= target:
+        return order[0][0]
+    for (p0, r0), (p1, r1) in zip(order, order[1:]):
+        if r1 <= target:
+            share = (r0 - target) / (r0 - r1)
+            return math.exp(math.log(p0) + share * (math.log(p1) - math.log(p0)))
+    return None
+
+
+# ------------------------------------------------------------------------------------- the study
+def pipeline_label(mebp: str) -> str:
+    """``float32`` for ``mebp=none``, else the ``mebp`` option."""
+    return "float32" if mebp == "none" else str(mebp)
+
+
+def arms(c: Mapping[str, Any]) -> list[Arm]:
+    """One timing arm per shape x pipeline (its depths alternate inside it), checked before any work.
+
+    Raises:
+        ValueError: a bad ``depths``, ``rounds`` or ``steps_per_round``, or a pipeline that is no ``mebp`` option.
+    """
+    from importlib.resources import files
+
+    from lcsb_lightning.recipes.cli import CONFIG_MODULE
+
+    depth_arms(c["depths"])
+    options = sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "mebp").iterdir() if f.name.endswith(".yaml"))
+    bad = [p for p in c["pipelines"] if p not in options]
+    if bad or not c["pipelines"]:
+        raise ValueError(f"benchmark.cost_model.pipelines must name mebp options, got {list(c['pipelines'])!r}; allowed: {options}")
+    rounds = c["rounds"]
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"benchmark.cost_model.rounds must be an integer >= 1, got {rounds!r}.")
+    for shape in c["shapes"]:
+        steps_per_round(c, shape)
+    return [Arm("cost_model", slug(shape, p), (), {"shape": shape, "pipeline": p}) for shape in c["shapes"] for p in c["pipelines"]]
+
+
+def steps_per_round(c: Mapping[str, Any], shape: str) -> int:
+    """The shape's timed steps per arm and round: ``steps_per_round`` (an integer, or shape -> integer with a
+    ``default``).
+
+    Raises:
+        ValueError: not an integer >= 1, or a mapping with neither the shape nor ``default``.
+    """
+    spec = c["steps_per_round"]
+    steps = spec.get(shape, spec.get("default")) if isinstance(spec, Mapping) else spec
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"benchmark.cost_model.steps_per_round must be an integer >= 1 or a mapping of shapes (and "
+                         f"`default`) to one; for {shape!r} got {steps!r} from {spec!r}.")
+    return steps
+
+
+def run(study_arms: Sequence[Arm], c: Mapping[str, Any], root: Path, compose: Any, bench: Mapping[str, Any]) -> None:
+    """Time every pending shape x pipeline and write its fit to its ``result.json`` (the runner's study hook).
+
+    Raises:
+        ValueError: a shape that is no random-init option (before it is timed).
+    """
+    from hydra.utils import instantiate
+
+    from lcsb_lightning.bench.recipe_speed import time_task
+
+    depth_overrides = depth_arms(c["depths"])
+    for arm in study_arms:
+        shape, pipeline = arm.labels["shape"], arm.labels["pipeline"]
+        common = [f"model={shape}", f"mebp={pipeline}", *c.get("common", ())]
+        steps = steps_per_round(c, shape)
+        settings = {"arms": depth_overrides, "common": common, "task": c["task"], "rounds": c["rounds"], "steps": steps}
+        expected = settings_hash(settings)
+        if load_result(root, arm, expected) is not None:
+            log.info("cost_model %s: done with these settings, skipped", arm.name)
+            continue
+        if not str(compose(common).model.get("_target_", "")).endswith(".random_init"):
+            raise ValueError(f"benchmark.cost_model.shapes: {shape!r} is no random-init shape (model._target_ "
+                             "lcsb_lightning.recipes.models.random_init); allowed: e.g. smollm2_135m_random, "
+                             "smollm2_360m_random, qwen2.5_0.5b, qwen2.5_1.5b, qwen2.5_3b, gemma3_1b, tiny")
+        meta = instantiate(compose([*common, f"task={c['task']}", "model.init_device=meta"]).model).model
+        params, num_blocks = sum(p.numel() for p in meta.parameters()), int(meta.config.num_hidden_layers)
+        del meta
+        depths = {name: realized_depth(o, num_blocks) for name, o in depth_overrides.items()}
+        log.info("cost_model %s: %d blocks, depths %s, %d rounds of %d steps", arm.name, num_blocks, depths, c["rounds"], steps)
+        folder = arm_dir(root, arm)
+        timing = time_task(c["task"], depth_overrides, common, compose, int(c["rounds"]), steps, folder / "logs")
+        atomic_write_json(folder / RESULT_NAME, {
+            "study": "cost_model", "name": arm.name, "labels": dict(arm.labels), "params": params, "num_blocks": num_blocks,
+            "depths": depths, "fit": fit_cost(timing["raw"], depths), "timing": timing, "settings_hash": expected})
+        gc.collect()
+
+
+def rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per shape x pipeline: parameters, ``a``, ``b``, the spread of ``a`` over rounds, the split of ``a``."""
+    out, pipelines = [], list(dict.fromkeys(r["labels"]["pipeline"] for r in results))  # in the config's order
+    for r in sorted(results, key=lambda r: (pipelines.index(r["labels"]["pipeline"]), r["params"])):
+        fit = r["fit"]
+        out.append({"shape": r["labels"]["shape"], "params": r["params"], "pipeline": pipeline_label(r["labels"]["pipeline"]),
+                    "num_blocks": r["num_blocks"], "full_s": fit["full_s"], "a": fit["a"], "b": fit["b"],
+                    "a_spread": fit["a_spread"], "a_min": min(fit["a_rounds"]), "a_max": max(fit["a_rounds"]),
+                    "split": fit["split"], "loadavg": [r["timing"].get("loadavg_before"), r["timing"].get("loadavg_after")]})
+    return out
+
+
+def projection_rows(table: Sequence[Mapping[str, Any]], projection: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per pipeline, policy and steps ratio: the projected time-to-quality ratio of every shape, and the parameter
+    count from which it is at most each target (:func:`break_even`). On paper: labelled a projection."""
+    out = []
+    targets = [float(t) for t in projection.get("targets", (1.0, 0.8))]
+    for pipeline in dict.fromkeys(r["pipeline"] for r in table):
+        shapes = [r for r in table if r["pipeline"] == pipeline]
+        for policy, p in (projection.get("policies") or {}).items():
+            for s in p["steps_ratio"]:
+                ratios = [projected_ratio(r["a"], r["b"], float(s), float(p["depth"])) for r in shapes]
+                out.append({"pipeline": pipeline, "policy": policy, "depth": float(p["depth"]), "steps_ratio": float(s),
+                            "ratios": {r["shape"]: x for r, x in zip(shapes, ratios)},
+                            "break_even": {f"{t:g}": break_even([r["params"] for r in shapes], ratios, t) for t in targets}})
+    return out
+
+
+def tables(root: Path, study_arms: Sequence[Arm], c: Mapping[str, Any]) -> dict[str, Any]:
+    """The study's tables from its finished arms: ``cost_model`` and ``cost_model_projection``."""
+    table = rows([r for a in study_arms if (r := load_result(root, a)) is not None])
+    return {"cost_model": table, "cost_model_projection": projection_rows(table, c.get("projection") or {})}
+
+
+def _params(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def markdown(tables_: Mapping[str, Any]) -> list[str]:
+    """The study's ``results.md`` sections (none without rows)."""
+    from lcsb_lightning.bench.report import _f, table
+
+    rows_ = tables_.get("cost_model") or []
+    if not rows_:
+        return []
+    out = ["## Step-cost model: t(d) / t_full = a + b d (fixed-depth arms alternating in one process)", "",
+           "a and b: least squares over every round's points; spread: max - min of the per-round a. The split of a: "
+           "each phase's fitted intercept (forward: the blocks with their decompression; LM head + loss: from the "
+           "head's first forward call to the end of training_step; backward: its constant, the head's and the loss's "
+           "backward; rest: zero_grad, LCSB's gradient bookkeeping, clipping, between steps), shares of t_full.", "",
+           table(["shape", "params", "pipeline", "blocks", "t_full (s)", "a", "b", "spread of a", *SPLIT],
+                 [[r["shape"], _params(r["params"]), r["pipeline"], str(r["num_blocks"]), _f(r["full_s"], ".2f"), _f(r["a"]),
+                   _f(r["b"]), _f(r["a_spread"]), *[_f(r["split"][k]) for k in SPLIT]] for r in rows_]), ""]
+    proj = tables_.get("cost_model_projection") or []
+    if proj:
+        shapes = list(dict.fromkeys(s for p in proj for s in p["ratios"]))
+        targets = list(proj[0]["break_even"])
+        out += ["### Projection (on paper, not measured): time to quality against full backprop, s (a + b d)", "",
+                "s: the policy's measured steps to the target as a ratio to full backprop's (from the config); a, b: "
+                "the fits above. From: the smallest parameter count projected to reach the ratio (linear in log(params) "
+                "between the measured shapes; the smallest shape where it already does).", "",
+                table(["pipeline", "policy", "d", "s", *shapes, *[f"from ({t}x)" for t in targets]],
+                      [[p["pipeline"], p["policy"], _f(p["depth"]), _f(p["steps_ratio"], ".2f", "x"),
+                        *[_f(p["ratios"].get(s), ".2f", "x") for s in shapes],
+                        *[_params(p["break_even"][t]) if p["break_even"][t] else "none" for t in targets]] for p in proj]), ""]
+    return out
