@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_module
 
 from lcsb_lightning.bench import cost_model
 from lcsb_lightning.bench.runner import run_benchmark
-from lcsb_lightning.recipes.cli import CONFIG_MODULE
+from lcsb_lightning.recipes import CONFIG_MODULE
 
 DEPTHS = {"d0.125": 0.125, "d0.25": 0.25, "d0.5": 0.5, "full": 1.0}
 
@@ -113,8 +113,8 @@ def test_projection_rows_per_pipeline_policy_and_steps_ratio() -> None:
 
 @pytest.mark.parametrize(("change", "match"), [
     ({"pipelines": ["int8"]}, r"pipelines must name mebp options, got \['int8'\]; allowed: \['int4', 'nf4', 'none'\]"),
-    ({"rounds": 0}, "rounds must be an integer >= 1, got 0"),
-    ({"steps_per_round": {"other": 2}}, "for 'tiny' got None"),
+    ({"rounds": 0}, "`benchmark.cost_model.rounds` must be an integer >= 1, got 0"),
+    ({"steps_per_round": {"other": 2}}, "steps_per_round \\(of .tiny.; a mapping needs the shape or .default.\\). must be an integer >= 1, got None"),
     ({"depths": [2.0]}, r"in \(0, 1\], got \[2.0\]"),
 ])
 def test_the_study_refuses_bad_settings_before_any_work(change: dict, match: str) -> None:

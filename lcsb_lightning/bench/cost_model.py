@@ -25,6 +25,7 @@ from typing import Any
 
 from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, load_result, settings_hash, slug
 from lcsb_lightning.recipes.outputs import atomic_write_json
+from lcsb_lightning.validation import check_int
 
 log = logging.getLogger(__name__)
 #: The constant's parts: ``forward`` is the blocks' forward with their decompression (the recipe's forward
@@ -173,16 +174,14 @@ def arms(c: Mapping[str, Any]) -> list[Arm]:
     """
     from importlib.resources import files
 
-    from lcsb_lightning.recipes.cli import CONFIG_MODULE
+    from lcsb_lightning.recipes import CONFIG_MODULE
 
     depth_arms(c["depths"])
     options = sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "mebp").iterdir() if f.name.endswith(".yaml"))
     bad = [p for p in c["pipelines"] if p not in options]
     if bad or not c["pipelines"]:
         raise ValueError(f"benchmark.cost_model.pipelines must name mebp options, got {list(c['pipelines'])!r}; allowed: {options}")
-    rounds = c["rounds"]
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"benchmark.cost_model.rounds must be an integer >= 1, got {rounds!r}.")
+    check_int("benchmark.cost_model.rounds", c["rounds"], 1)
     for shape in c["shapes"]:
         steps_per_round(c, shape)
     return [Arm("cost_model", slug(shape, p), (), {"shape": shape, "pipeline": p}) for shape in c["shapes"] for p in c["pipelines"]]
@@ -193,14 +192,11 @@ def steps_per_round(c: Mapping[str, Any], shape: str) -> int:
     ``default``).
 
     Raises:
-        ValueError: not an integer >= 1, or a mapping with neither the shape nor ``default``.
+        ValueError: not an integer >= 1, or a mapping with neither the shape nor ``default`` (naming the shape).
     """
     spec = c["steps_per_round"]
     steps = spec.get(shape, spec.get("default")) if isinstance(spec, Mapping) else spec
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"benchmark.cost_model.steps_per_round must be an integer >= 1 or a mapping of shapes (and "
-                         f"`default`) to one; for {shape!r} got {steps!r} from {spec!r}.")
-    return steps
+    return check_int(f"benchmark.cost_model.steps_per_round (of {shape!r}; a mapping needs the shape or `default`)", steps, 1)
 
 
 def run(study_arms: Sequence[Arm], c: Mapping[str, Any], root: Path, compose: Any, bench: Mapping[str, Any]) -> None:
@@ -233,7 +229,8 @@ def run(study_arms: Sequence[Arm], c: Mapping[str, Any], root: Path, compose: An
         depths = {name: realized_depth(o, num_blocks) for name, o in depth_overrides.items()}
         log.info("cost_model %s: %d blocks, depths %s, %d rounds of %d steps", arm.name, num_blocks, depths, c["rounds"], steps)
         folder = arm_dir(root, arm)
-        timing = time_task(c["task"], depth_overrides, common, compose, int(c["rounds"]), steps, folder / "logs")
+        timing = time_task(c["task"], depth_overrides, common, compose, check_int("rounds", c["rounds"], 1), steps,
+                           folder / "logs")
         atomic_write_json(folder / RESULT_NAME, {
             "study": "cost_model", "name": arm.name, "labels": dict(arm.labels), "params": params, "num_blocks": num_blocks,
             "depths": depths, "fit": fit_cost(timing["raw"], depths), "timing": timing, "settings_hash": expected})
@@ -272,37 +269,3 @@ def tables(root: Path, study_arms: Sequence[Arm], c: Mapping[str, Any]) -> dict[
     """The study's tables from its finished arms: ``cost_model`` and ``cost_model_projection``."""
     table = rows([r for a in study_arms if (r := load_result(root, a)) is not None])
     return {"cost_model": table, "cost_model_projection": projection_rows(table, c.get("projection") or {})}
-
-
-def _params(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-
-
-def markdown(tables_: Mapping[str, Any]) -> list[str]:
-    """The study's ``results.md`` sections (none without rows)."""
-    from lcsb_lightning.bench.report import _f, table
-
-    rows_ = tables_.get("cost_model") or []
-    if not rows_:
-        return []
-    out = ["## Step-cost model: t(d) / t_full = a + b d (fixed-depth arms alternating in one process)", "",
-           "a and b: least squares over every round's points; spread: max - min of the per-round a. The split of a: "
-           "each phase's fitted intercept (forward: the blocks with their decompression; LM head + loss: from the "
-           "head's first forward call to the end of training_step; backward: its constant, the head's and the loss's "
-           "backward; rest: zero_grad, LCSB's gradient bookkeeping, clipping, between steps), shares of t_full.", "",
-           table(["shape", "params", "pipeline", "blocks", "t_full (s)", "a", "b", "spread of a", *SPLIT],
-                 [[r["shape"], _params(r["params"]), r["pipeline"], str(r["num_blocks"]), _f(r["full_s"], ".2f"), _f(r["a"]),
-                   _f(r["b"]), _f(r["a_spread"]), *[_f(r["split"][k]) for k in SPLIT]] for r in rows_]), ""]
-    proj = tables_.get("cost_model_projection") or []
-    if proj:
-        shapes = list(dict.fromkeys(s for p in proj for s in p["ratios"]))
-        targets = list(proj[0]["break_even"])
-        out += ["### Projection (on paper, not measured): time to quality against full backprop, s (a + b d)", "",
-                "s: the policy's measured steps to the target as a ratio to full backprop's (from the config); a, b: "
-                "the fits above. From: the smallest parameter count projected to reach the ratio (linear in log(params) "
-                "between the measured shapes; the smallest shape where it already does).", "",
-                table(["pipeline", "policy", "d", "s", *shapes, *[f"from ({t}x)" for t in targets]],
-                      [[p["pipeline"], p["policy"], _f(p["depth"]), _f(p["steps_ratio"], ".2f", "x"),
-                        *[_f(p["ratios"].get(s), ".2f", "x") for s in shapes],
-                        *[_params(p["break_even"][t]) if p["break_even"][t] else "none" for t in targets]] for p in proj]), ""]
-    return out

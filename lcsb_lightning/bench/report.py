@@ -333,12 +333,44 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                 table(["config", "processes", "strategy", "s/step (median)", "tokens/s"],
                       [[r["labels"]["config"], str(r.get("processes")), str(r.get("strategy")), _f(r.get("median_s")),
                         _f(r.get("tokens_per_s"), ".0f")] for r in ddp]), ""]
-    from lcsb_lightning.bench.cost_model import markdown as cost_model_sections
-
-    out += cost_model_sections(tables)
+    out += _cost_model_section(tables)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     return "\n".join(out)
+
+
+def _params(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def _cost_model_section(tables_: Mapping[str, Any]) -> list[str]:
+    """The cost-model study's sections (none without rows): the fits, then the projection, labelled as such."""
+    from lcsb_lightning.bench.cost_model import SPLIT
+
+    rows_ = tables_.get("cost_model") or []
+    if not rows_:
+        return []
+    out = ["## Step-cost model: t(d) / t_full = a + b d (fixed-depth arms alternating in one process)", "",
+           "a and b: least squares over every round's points; spread: max - min of the per-round a. The split of a: "
+           "each phase's fitted intercept (forward: the blocks with their decompression; LM head + loss: from the "
+           "head's first forward call to the end of training_step; backward: its constant, the head's and the loss's "
+           "backward; rest: zero_grad, LCSB's gradient bookkeeping, clipping, between steps), shares of t_full.", "",
+           table(["shape", "params", "pipeline", "blocks", "t_full (s)", "a", "b", "spread of a", *SPLIT],
+                 [[r["shape"], _params(r["params"]), r["pipeline"], str(r["num_blocks"]), _f(r["full_s"], ".2f"), _f(r["a"]),
+                   _f(r["b"]), _f(r["a_spread"]), *[_f(r["split"][k]) for k in SPLIT]] for r in rows_]), ""]
+    proj = tables_.get("cost_model_projection") or []
+    if proj:
+        shapes = list(dict.fromkeys(s for p in proj for s in p["ratios"]))
+        targets = list(proj[0]["break_even"])
+        out += ["### Projection (on paper, not measured): time to quality against full backprop, s (a + b d)", "",
+                "s: the policy's measured steps to the target as a ratio to full backprop's (from the config); a, b: "
+                "the fits above. From: the smallest parameter count projected to reach the ratio (linear in log(params) "
+                "between the measured shapes; the smallest shape where it already does).", "",
+                table(["pipeline", "policy", "d", "s", *shapes, *[f"from ({t}x)" for t in targets]],
+                      [[p["pipeline"], p["policy"], _f(p["depth"]), _f(p["steps_ratio"], ".2f", "x"),
+                        *[_f(p["ratios"].get(s), ".2f", "x") for s in shapes],
+                        *[_params(p["break_even"][t]) if p["break_even"][t] else "none" for t in targets]] for p in proj]), ""]
+    return out
 
 
 def write_results(out_dir: Path, tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence[str] = ()) -> None:
