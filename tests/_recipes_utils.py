@@ -7,7 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@contextmanager
+def finetune_composer() -> Iterator[Callable[[object], DictConfig]]:
+    """One thread and the packaged configs: yields what a benchmark study composes its runs' configs with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            yield lambda overrides: compose(config_name="config", overrides=list(overrides))
+    finally:
+        torch.set_num_threads(before)
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _recipes_utils import finetune_composer
 from hydra import compose, initialize_config_module
 
 from lcsb_lightning.bench import report
@@ -435,8 +436,9 @@ def test_recipe_speed_phases_missing_from_some_steps_average_over_the_others() -
         ({"full": "full", "dyadic": "dyadic"}, 16, None),
         ({"dyadic3": {"levels": 3}, "none": None}, 4, None),
         ({"random": "random"}, 3, None),                           # no fixed cycle: nothing to cover
-        ({"dyadic": "dyadic"}, 7, r"`steps_per_round=7` does not cover whole cycles of arm 'dyadic'.*every 8.*"
-                                   r"Allowed: a multiple of 8\.$"),
+        ({"dyadic": "dyadic"}, 7, r"`steps_per_round=7` does not cover whole cycles of arm 'dyadic'.*every 4.*"
+                                   r"Allowed: a multiple of 4\.$"),
+        ({"dyadic4": {"levels": 4}}, 4, r"arm 'dyadic4'.*every 8.*Allowed: a multiple of 8\.$"),
         ({"full": "full", "dyadic5": {"levels": 5}}, 8, r"arm 'dyadic5'.*repeat every 16"),
         ({"full": "full"}, 0, r"`steps_per_round` must be an integer >= 1, got 0\."),
     ],
@@ -478,23 +480,13 @@ def test_recipe_speed_refuses_a_cut_cycle_before_building_the_model(monkeypatch:
 
 
 def test_recipe_speed_times_every_step_of_a_cycle_after_a_warm_up(tmp_path: Path) -> None:
-    import torch
-
     from lcsb_lightning.bench import recipe_speed
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            def compose_ft(overrides: Any) -> Any:
-                return compose(config_name="config", overrides=list(overrides))
-
-            timing = recipe_speed.time_task(
-                "pydoc", {"full": ["policy=full"], "dyadic": ["policy=dyadic"]},
-                ["model=tiny", "seq_len=32", "task.max_train_examples=64", "trainer.log_every_n_steps=1"],
-                compose_ft, rounds=2, steps_per_round=8, out_dir=str(tmp_path))
-    finally:
-        torch.set_num_threads(before)
+    with finetune_composer() as compose_ft:
+        timing = recipe_speed.time_task(
+            "pydoc", {"full": ["policy=full"], "dyadic": ["policy=dyadic"]},
+            ["model=tiny", "seq_len=32", "task.max_train_examples=64", "trainer.log_every_n_steps=1"],
+            compose_ft, rounds=2, steps_per_round=8, out_dir=str(tmp_path))
     for name in ("full", "dyadic"):
         assert [len(steps) for steps in timing["raw"][name]] == [8, 8]  # steps 1-8: one whole dyadic cycle
         means = [sum(s["total"] for s in steps) / 8 for steps in timing["raw"][name]]

@@ -102,7 +102,7 @@ def test_defaults_are_dyadic_with_the_all_reached_backward(residual_net) -> None
     assert type(lcsb.policy).__name__ == "DyadicPolicy" and lcsb.backward == "all_reached"
     assert lcsb.unreached == "skip_below"
     recorder = _fit(TokenLM(residual_net(num_blocks=8)), lcsb, steps=8)
-    assert [len(s) for s in recorder.selections] == [8, 1, 2, 1, 4, 1, 2, 1]  # N, N/8, N/4, N/8, N/2, ...
+    assert [len(s) for s in recorder.selections] == [8, 2, 4, 2, 8, 2, 4, 2]  # N, N/4, N/2, N/4: 3 levels
     assert all(s == tuple(range(8 - len(s), 8)) for s in recorder.selections)  # always the top blocks
 
 

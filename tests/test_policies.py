@@ -120,10 +120,10 @@ def _assert_dyadic_depths(depths: list[int], **kwargs: object) -> None:
 
 
 @pytest.mark.parametrize(("full_after", "switch_every", "depths"), [
-    (None, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1]),
-    (3, 1, [8, 1, 2, 8, 8, 8, 8, 8, 8, 8]),
+    (None, 1, [8, 2, 4, 2, 8, 2, 4, 2, 8, 2]),
+    (3, 1, [8, 2, 4, 8, 8, 8, 8, 8, 8, 8]),
     (0, 1, [8] * 10),
-    (3, 2, [8, 8, 1, 1, 8, 8, 8, 8, 8, 8]),  # from the first round that starts at step 3 or later
+    (3, 2, [8, 8, 2, 2, 8, 8, 8, 8, 8, 8]),  # from the first round that starts at step 3 or later
 ])
 def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | None, switch_every: int,
                                                              depths: list[int]) -> None:
@@ -178,7 +178,8 @@ def test_select_before_setup_and_backwards_fail() -> None:
 @pytest.mark.parametrize(
     ("factory", "num_blocks", "cycle"),
     [
-        (lambda: DyadicPolicy(), 30, 8),
+        (lambda: DyadicPolicy(), 30, 4),
+        (lambda: DyadicPolicy(levels=4), 30, 8),
         (lambda: DyadicPolicy(levels=3), 30, 4),
         (lambda: DyadicPolicy(levels=3, switch_every=2), 30, 8),
         (lambda: DyadicPolicy(levels=5), 16, 16),
@@ -199,4 +200,15 @@ def test_cycle_steps_is_the_period_of_the_selections(factory, num_blocks: int, c
 def test_cycle_steps_unknown_without_a_fixed_cycle_or_before_setup() -> None:
     assert RandomPolicy(layers_per_step=2).cycle_steps is None
     assert CyclicPolicy(layers_per_step=2).cycle_steps is None  # its number of groups needs the model's blocks
-    assert DyadicPolicy().cycle_steps == 8                      # known from its levels alone
+    assert DyadicPolicy(levels=4).cycle_steps == 8              # known from its levels alone
+
+
+def test_the_default_is_the_three_level_ruler() -> None:
+    """0.6.0: 3 levels (depths N/4, N/2, N) measured best on time to quality (docs/results.md, "The default")."""
+    from lcsb_lightning import LCSBCallback
+
+    policy = LCSBCallback().policy
+    policy.setup(num_blocks=8)
+    assert isinstance(policy, DyadicPolicy) and policy.levels == 3
+    assert [len(policy.select(t)) for t in range(4)] == [8, 2, 4, 2]
+    assert DyadicPolicy().levels == 3

@@ -47,7 +47,7 @@ def test_every_yaml_opens_with_its_launch_command() -> None:
 def test_default_config_composes() -> None:
     cfg = compose_cfg([])
     assert cfg.model._target_.endswith("smollm2_135m")
-    assert cfg.task.builtin == "pydoc" and cfg.policy._target_.endswith("DyadicPolicy")
+    assert cfg.task.builtin == "pydoc" and cfg.policy._target_.endswith("DyadicPolicy") and cfg.policy.levels == 3
     assert cfg.lcsb.backward == "all_reached" and cfg.guard.action == "skip" and cfg.checkpoint_every == 50
 
 
@@ -72,7 +72,7 @@ def test_policy_options_instantiate(name: str) -> None:
     (["policy=paper", "policy.fraction=0.5"], "fraction", 0.5),
     (["policy=random", "policy.fraction=0.5"], "fraction", 0.5),
     (["policy=grad_norm", "policy.layers_per_step=3", "policy.fraction=null"], "layers_per_step", 3),
-    (["policy=dyadic", "policy.levels=3"], "levels", 3),
+    (["policy=dyadic", "policy.levels=4"], "levels", 4),
     (["policy=top_only", "policy.switch_every=2"], "switch_every", 2),
 ])
 def test_policy_overrides_read_the_same_for_every_policy(overrides: list[str], key: str, value: object) -> None:
