@@ -1,4 +1,4 @@
-# python recipes/lightning_module.py [--steps 40] [--int4] [--tiny]
+# python recipes/lightning_module.py [--steps 40] [--val-every 20] [--log-every 10] [--int4] [--tiny]
 """LCSB (and optionally QuantizedMeBP) in your own LightningModule: copy this file and edit it.
 
 Fine-tunes LoRA adapters of SmolLM2-135M-Instruct on Python's own documentation text with the defaults of
@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--val-every", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=10, help="optimizer steps between logged training metrics")
     parser.add_argument("--int4", action="store_true", help="4-bit frozen weights (QuantizedMeBP)")
     parser.add_argument("--tiny", action="store_true", help="a small random Llama instead of SmolLM2")
     parser.add_argument("--logdir", default="tb_logs")
@@ -75,6 +76,7 @@ def main() -> None:
     trainer = Trainer(
         max_steps=args.steps,
         val_check_interval=min(args.val_every, args.steps),
+        log_every_n_steps=args.log_every,
         plugins=[QuantizedMeBP(fmt="int4", group_size=32 if args.tiny else 64)] if args.int4 else None,
         callbacks=[LCSBCallback()],
         logger=TensorBoardLogger(args.logdir, name="lightning_module"),

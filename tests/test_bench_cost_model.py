@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _recipes_utils import finetune_composer
 from hydra import compose, initialize_config_module
 
 from lcsb_lightning.bench import cost_model
@@ -140,22 +140,12 @@ def test_the_preset_expands_to_every_shape_and_pipeline_and_takes_overrides() ->
 
 
 def test_a_smoke_run_on_the_tiny_model_writes_the_table_projection_and_plot(tmp_path: Path) -> None:
-    import torch
-
     bench = {"name": "cost", "studies": ["cost_model"], "cost_model": {
         "shapes": ["tiny"], "pipelines": ["none", "int4"], "depths": [0.25, 0.5], "task": "pydoc", "rounds": 1,
         "steps_per_round": 1, "common": ["guard=none", "seq_len=32", "task.max_train_examples=16"],
         "projection": {"targets": [1.0, 0.8], "policies": {"dyadic_l3": {"depth": 0.5, "steps_ratio": [1.25]}}}}}
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            def compose_ft(overrides: Any) -> Any:
-                return compose(config_name="config", overrides=list(overrides))
-
-            tables = run_benchmark(bench, tmp_path, compose_ft, command="test")
-    finally:
-        torch.set_num_threads(before)
+    with finetune_composer() as compose_ft:
+        tables = run_benchmark(bench, tmp_path, compose_ft, command="test")
     rows = tables["cost_model"]
     assert [(r["shape"], r["pipeline"], r["num_blocks"]) for r in rows] == [("tiny", "float32", 4), ("tiny", "int4", 4)]
     for r in rows:
@@ -175,9 +165,6 @@ def test_a_smoke_run_on_the_tiny_model_writes_the_table_projection_and_plot(tmp_
 def test_a_pretrained_model_is_refused_before_any_timing(tmp_path: Path) -> None:
     bench = {"name": "cost", "studies": ["cost_model"], "cost_model": {
         "shapes": ["smollm2_135m"], "pipelines": ["none"], "depths": [0.5], "task": "pydoc", "rounds": 1, "steps_per_round": 1}}
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        def compose_ft(overrides: Any) -> Any:
-            return compose(config_name="config", overrides=list(overrides))
-
+    with finetune_composer() as compose_ft:
         with pytest.raises(ValueError, match="'smollm2_135m' is no random-init shape.*allowed: e.g. smollm2_135m_random"):
             run_benchmark(bench, tmp_path, compose_ft, command="test")

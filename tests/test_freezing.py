@@ -99,17 +99,23 @@ def test_replay_gives_the_loss_and_gradients_of_the_frozen_blocks(layouts: list[
     prefix.remove()
 
 
+def _two_training_forwards(prefix: FrozenPrefix, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same right-padded batch twice (the second can replay the first's stored outputs); returns it."""
+    ids, mask = _padded_batch([6, 6], 6)
+    for _ in range(2):
+        prefix.set_batch(ids, mask)
+        _loss(model, ids, mask)
+        prefix.end_batch()
+    return ids, mask
+
+
 def test_evaluation_and_unnamed_batches_run_every_block() -> None:
     model = tiny_llama_peft(NUM_BLOCKS)
     blocks = _freeze_lowest(model, FROZEN)
     calls = _linear_calls(blocks)
     prefix = FrozenPrefix(blocks)
     prefix.freeze(FROZEN)
-    ids, mask = _padded_batch([6, 6], 6)
-    for _ in range(2):
-        prefix.set_batch(ids, mask)
-        _loss(model, ids, mask)
-        prefix.end_batch()
+    ids, mask = _two_training_forwards(prefix, model)
     assert prefix.stats.hits == 1
     before = list(calls)
     _loss(model, ids, mask)  # no batch named: not a training step of the prefix
@@ -510,10 +516,6 @@ def test_a_freeze_over_an_active_dropout_stores_nothing(make: Callable[[], nn.Mo
     prefix = FrozenPrefix(blocks)
     with pytest.warns(UserWarning, match="dropout is active in the frozen blocks \\(block [01]'s"):
         prefix.freeze(FROZEN)
-    ids, mask = _padded_batch([6, 6], 6)
-    for _ in range(2):
-        prefix.set_batch(ids, mask)
-        _loss(model, ids, mask)
-        prefix.end_batch()
+    _two_training_forwards(prefix, model)
     assert prefix.stats.stored_examples == 0 and prefix.stats.hits == 0
     prefix.remove()

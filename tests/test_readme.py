@@ -59,7 +59,7 @@ def test_the_quick_start_block_runs_as_written(tmp_path: Path) -> None:
 
 def test_the_example_script_runs_with_tensorboard_and_validation(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "lightning_module.py"), "--tiny", "--steps", "4", "--val-every", "2",
+        [sys.executable, str(ROOT / "recipes" / "lightning_module.py"), "--tiny", "--steps", "4", "--val-every", "2", "--log-every", "1",
          "--logdir", str(tmp_path / "tb")], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
