@@ -74,6 +74,7 @@ def test_lcsb_finetune_output_is_quiet_and_ends_with_its_table(tmp_path: Path) -
     # deprecation notices between the libraries (peft -> transformers, Lightning -> torch): nothing a user can act on
     assert "is_gradient_checkpointing" not in output and "LeafSpec" not in output, output
     assert "set_vital" not in output, output  # torchdata's loader calls a deprecated torch function
+    assert "weights_only` was not set" not in output, output  # a resumable checkpoint says what it holds
     lcsb_lines = [line for line in output.splitlines() if "LCSB: " in line and "over 4 blocks" in line]
     assert len(lcsb_lines) == 1, lcsb_lines  # one line per message, not Lightning's and Hydra's both
     for row in ("val/loss", "peak memory", "adapter", "loss curve"):

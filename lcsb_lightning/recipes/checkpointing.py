@@ -195,7 +195,7 @@ class PreemptionCheckpoint(Checkpoint):
         if trainer.world_size > 1:  # every rank takes part in the save: decide together
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)
             self.saved_step = int(trainer.global_step)
             self.signum = self.signum or signal.SIGTERM  # a rank told by another
 

@@ -211,7 +211,7 @@ def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None
         return
     last = out / CHECKPOINT_DIR / LAST
     if preemption is not None and preemption.saved_step is None and not interrupted:
-        trainer.save_checkpoint(last)
+        trainer.save_checkpoint(last, weights_only=False)
         preemption.saved_step = int(trainer.global_step)
     if preemption is not None and preemption.saved_step is not None:
         where = f"the checkpoint {last} holds step {preemption.saved_step}"
@@ -273,7 +273,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     _stop_if_preempted(trainer, out, interrupted)
     fit_seconds = time.perf_counter() - fit_start
     if cfg.trainer.get("enable_checkpointing", True):
-        trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST)  # the end state, whatever the interval
+        trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST, weights_only=False)  # the end state, whatever the interval
     final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
 
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
