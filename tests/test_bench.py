@@ -111,7 +111,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("short", {"quality": 6, "stability": 12}),
     ("standard", {"recipe_speed": 3, "quality": 21}),
     ("ablation", {"ablation": 12}),
-    ("time_to_quality", {"recipe_speed": 3, "quality": 33}),
+    ("time_to_quality", {"recipe_speed": 3, "quality": 30}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),
@@ -332,8 +332,8 @@ def _timed(tmp_path: Path, task: str, seconds: dict[str, float]) -> None:
 @pytest.mark.parametrize(("arm", "quality_arm", "expected"), [
     # a plain arm: steps x its speed-up (3.6 / 1.8 = 2)
     ("dyadic", {"baseline": "full", "wallclock": True, "overrides": []}, 400),
-    # shallow for 60 steps, then full: 60 x 1.8 + n x 3.6 = 200 x 3.6 gives n = 170, 230 steps in all
-    ("hybrid", {"baseline": "full", "wallclock": True, "overrides": [], "timed_as": [["dyadic", 60], ["full", None]]}, 230),
+    # an arm timed as its twin: the twin's speed-up
+    ("dyadic_lr", {"baseline": "full", "wallclock": True, "overrides": [], "timed_as": [["dyadic", None]]}, 400),
 ])
 def test_wallclock_steps_fill_the_baselines_time(tmp_path: Path, arm: str, quality_arm: dict, expected: int) -> None:
     from lcsb_lightning.bench.runner import wallclock_steps
@@ -347,16 +347,16 @@ def test_wallclock_steps_fill_the_baselines_time(tmp_path: Path, arm: str, quali
     assert wallclock_steps(tmp_path, bench, wallclock, 200) == expected
 
 
-def test_wallclock_steps_of_a_phased_arm_need_its_phases_timed(tmp_path: Path) -> None:
+def test_wallclock_steps_of_a_timed_as_arm_need_its_twin_timed(tmp_path: Path) -> None:
     from lcsb_lightning.bench.runner import wallclock_steps
     from lcsb_lightning.bench.spec import Arm
 
     _timed(tmp_path, "t1", {"full": 3.6})
     bench = {"recipe_speed": {"tasks": ["t1"], "baseline": "full", "arms": {"full": []}},
-             "quality": {"arms": {"hybrid": {"timed_as": [["dyadic", 60], ["full", None]]}}}}
-    wallclock = Arm("quality", "t1__hybrid__wallclock", (), {"task": "t1", "arm": "hybrid", "run": "wallclock"},
-                    "t1__full", wallclock_of="t1__hybrid")
-    with pytest.raises(RuntimeError, match="needs the speed-up of 'dyadic', 'full' on 't1' from the recipe_speed study"):
+             "quality": {"arms": {"dyadic_lr": {"timed_as": [["dyadic", None]]}}}}
+    wallclock = Arm("quality", "t1__dyadic_lr__wallclock", (), {"task": "t1", "arm": "dyadic_lr", "run": "wallclock"},
+                    "t1__full", wallclock_of="t1__dyadic_lr")
+    with pytest.raises(RuntimeError, match="needs the speed-up of 'dyadic' on 't1' from the recipe_speed study"):
         wallclock_steps(tmp_path, bench, wallclock, 200)
 
 

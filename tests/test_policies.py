@@ -119,18 +119,8 @@ def _assert_dyadic_depths(depths: list[int], **kwargs: object) -> None:
     assert resumed.select(len(depths)) == policy.select(len(depths))
 
 
-@pytest.mark.parametrize(("full_after", "switch_every", "depths"), [
-    (None, 1, [8, 2, 4, 2, 8, 2, 4, 2, 8, 2]),
-    (3, 1, [8, 2, 4, 8, 8, 8, 8, 8, 8, 8]),
-    (0, 1, [8] * 10),
-    (3, 2, [8, 8, 2, 2, 8, 8, 8, 8, 8, 8]),  # from the first round that starts at step 3 or later
-])
-def test_dyadic_turns_to_full_backprop_after_full_after_steps(full_after: int | None, switch_every: int,
-                                                             depths: list[int]) -> None:
-    _assert_dyadic_depths(depths, full_after=full_after, switch_every=switch_every)
-
-
 @pytest.mark.parametrize(("levels", "switch_every", "depths"), [
+    (3, 1, [8, 2, 4, 2, 8, 2, 4, 2, 8, 2]),
     (4, 1, [8, 1, 2, 1, 4, 1, 2, 1, 8, 1, 2, 1]),
     (3, 2, [8, 8, 2, 2, 4, 4, 2, 2, 8, 8, 2, 2]),
 ])
@@ -154,8 +144,6 @@ def test_registry_lists_every_policy() -> None:
         (lambda: CyclicPolicy(layers_per_step=1, switch_every=0), "`switch_every` must be an integer >= 1"),
         (lambda: GradNormPolicy(layers_per_step=1, ema_decay=1.0), "`ema_decay` must be in \\[0, 1\\)"),
         (lambda: CyclicPolicy(layers_per_step=9).setup(8), "`layers_per_step=9` exceeds the model's 8 blocks; allowed: 1..8"),
-        (lambda: build_policy("dyadic", full_after=-1), r"`full_after` must be an integer >= 0, got -1\.$"),
-        (lambda: build_policy("dyadic", full_after=2.5), r"`full_after` must be an integer >= 0, got 2\.5\.$"),
         (lambda: build_policy("dyadic", levels=0), r"`levels` must be an integer >= 1, got 0\.$"),
         (lambda: build_policy("dyadic", levels={0: 4, 24: 3}), r"`levels` must be an integer >= 1, got \{0: 4, 24: 3\}\.$"),
     ],

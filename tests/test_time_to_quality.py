@@ -128,24 +128,24 @@ def test_bad_other_shares_are_refused_before_any_run(shares: list[Any]) -> None:
         validate(bench)
 
 
-def test_a_phased_arm_costs_each_phase_at_its_own_step_time() -> None:
-    from lcsb_lightning.bench.time_to_quality import PhasedStepTime, phased_step_times
+def test_a_timed_as_arm_costs_its_twins_step_time() -> None:
+    from lcsb_lightning.bench.time_to_quality import timed_as_step_times
 
-    arms = {"switch": {"timed_as": [["fast", 50], ["full", None]]}, "fast": {}}
-    times = phased_step_times(arms, {("wikitext2", "fast"): 1.0, ("wikitext2", "full"): 2.0, ("gsm8k", "full"): 3.0})
-    assert times == {("wikitext2", "switch"): PhasedStepTime(((50, 1.0), (None, 2.0)))}  # gsm8k lacks "fast"
-    switch = _result("switch", "switch", {0: 4.0, 25: 3.4, 50: 3.0, 75: 2.4, 100: 2.1}, 1.0)
-    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, switch], {("wikitext2", "full"): 2.0, **times})}
-    # target 2.2 at step 75 + 25 * (0.2 / 0.3) = 91.67: 50 steps at 1 s, 41.67 at 2 s = 133.3 s against full's 150 s
-    assert rows["switch"]["reach_seconds"] == pytest.approx(50 + 2 * 41.6667, rel=1e-4)
-    assert rows["switch"]["seconds_per_step"] == pytest.approx((50 + 2 * 50) / 100)
+    arms = {"fast_lr": {"timed_as": [["fast", None]]}, "fast": {}}
+    times = timed_as_step_times(arms, {("wikitext2", "fast"): 1.0, ("wikitext2", "full"): 2.0, ("gsm8k", "full"): 3.0})
+    assert times == {("wikitext2", "fast_lr"): 1.0}  # gsm8k lacks "fast"
+    fast_lr = _result("fast_lr", "fast_lr", {0: 4.0, 25: 3.4, 50: 3.0, 75: 2.4, 100: 2.1}, 1.0)
+    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, fast_lr], {("wikitext2", "full"): 2.0, **times})}
+    # target 2.2 at step 75 + 25 * (0.2 / 0.3) = 91.67, at 1 s a step, against full's 150 s
+    assert rows["fast_lr"]["reach_seconds"] == pytest.approx(91.6667, rel=1e-4)
+    assert rows["fast_lr"]["seconds_per_step"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(("timed_as", "match"), [
     ([["fast", 50]], "timed_as must be"),
-    ([["fast", 0], ["full", None]], "timed_as must be"),
+    ([["fast", None], ["full", None]], "timed_as must be"),
     ("fast", "timed_as must be"),
-    ([["slow", 50], ["full", None]], "names \\['slow'\\], which the recipe_speed study does not time"),
+    ([["slow", None]], "names \\['slow'\\], which the recipe_speed study does not time"),
 ])
 def test_bad_timed_as_is_refused_before_any_run(timed_as: Any, match: str) -> None:
     bench = {"studies": ["quality"], "recipe_speed": {"arms": {"fast": [], "full": []}},

@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench import cost_model, plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
-    StepTime, elapsed, phased_step_times, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within,
-    time_to_quality_rows,
+    StepTime, elapsed, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within, time_to_quality_rows,
+    timed_as_step_times,
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
@@ -80,17 +80,14 @@ def _check_timed_as(arms: Mapping[str, Any], timed_arms: Mapping[str, Any]) -> N
         phases = arm.get("timed_as")
         if phases is None:
             continue
-        shape_ok = isinstance(phases, Sequence) and not isinstance(phases, str) and len(phases) >= 1 and all(
-            isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 for p in phases)
-        steps = [p[1] for p in phases] if shape_ok else []
-        if not shape_ok or steps[-1] is not None or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in steps[:-1]):
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, steps], ..., [arm, null]] with "
-                             f"steps >= 1 (the last phase open-ended), got {phases!r}")
-        unknown = [p[0] for p in phases if p[0] not in timed_arms]
-        if unknown:
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {unknown}, which the recipe_speed study does "
-                             f"not time; allowed: {sorted(timed_arms)}")
+        if not (isinstance(phases, Sequence) and not isinstance(phases, str) and len(phases) == 1
+                and isinstance(phases[0], Sequence) and not isinstance(phases[0], str) and len(phases[0]) == 2
+                and phases[0][1] is None):
+            raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, null]] (timed as that recipe_speed "
+                             f"arm, whose step it shares), got {phases!r}")
+        if phases[0][0] not in timed_arms:
+            raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {[phases[0][0]]}, which the recipe_speed "
+                             f"study does not time; allowed: {sorted(timed_arms)}")
 
 
 def machine() -> str:
@@ -122,11 +119,11 @@ def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]
 
 
 def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) -> int:
-    """The steps an equal-wall-clock arm trains: as many as its step time (a ``timed_as`` arm's: phase by
-    phase) pays for in the time the baseline took for ``steps``, and never fewer than ``steps``.
+    """The steps an equal-wall-clock arm trains: as many as its step time (a ``timed_as`` arm's: its twin's)
+    pays for in the time the baseline took for ``steps``, and never fewer than ``steps``.
 
     Raises:
-        RuntimeError: the recipe_speed study has not timed the arm (or the arms of its ``timed_as`` phases).
+        RuntimeError: the recipe_speed study has not timed the arm (or its ``timed_as`` twin).
     """
     task, name = arm.labels["task"], arm.labels["arm"]
     r = bench.get("recipe_speed") or {}
@@ -142,7 +139,7 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
             return max(steps, round(steps_within(mine, elapsed(theirs, steps))))
     if per_step is None or not isinstance(base, float):
         phases = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("timed_as")
-        needed = [p[0] for p in phases] if phases else [name]
+        needed = [phases[0][0]] if phases else [name]
         raise RuntimeError(
             f"{arm.study} arm {arm.name} trains for its baseline's wall-clock time, which needs the speed-up "
             f"of {', '.join(map(repr, needed))} on {task!r} from the recipe_speed study: add it to "
@@ -299,11 +296,11 @@ RUNNERS: dict[str, Callable[..., None]] = {
 
 
 def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tuple[str, str], StepTime]:
-    """``(task, arm) ->`` the recipe-loop step time, phased for quality arms with ``timed_as``; without a
+    """``(task, arm) ->`` the recipe-loop step time, a ``timed_as`` quality arm's its twin's; without a
     recipe_speed study, each quality arm's own recorded mean step time (per epoch with ``steps_per_epoch``)."""
     q = bench.get("quality") or {}
     timed = report.step_seconds(tables.get("recipe_speed") or [])
-    out: dict[tuple[str, str], StepTime] = {**timed, **phased_step_times(q.get("arms") or {}, timed)}
+    out: dict[tuple[str, str], StepTime] = {**timed, **timed_as_step_times(q.get("arms") or {}, timed)}
     if not timed:
         for r in tables.get("_quality_raw") or []:
             if r["labels"].get("run") == "steps":

@@ -24,8 +24,9 @@ Point = tuple[int, float, float]  # (step, train seconds, eval loss)
 
 @dataclass(frozen=True)
 class PhasedStepTime:
-    """The training wall-clock of an arm whose step changes during the run (``DyadicPolicy(full_after=S)``):
-    ``phases`` are ``(steps, seconds per step)`` in order, the last one open-ended (``steps=None``).
+    """The training wall-clock of an arm whose step changes during the run (a run's own step time per epoch,
+    :func:`recorded_step_time`): ``phases`` are ``(steps, seconds per step)`` in order, the last one
+    open-ended (``steps=None``).
 
     Example::
 
@@ -95,21 +96,20 @@ def steps_within(per_step: StepTime, seconds: float) -> float:
     return seconds / per_step if isinstance(per_step, float) else per_step.steps_within(seconds)
 
 
-def phased_step_times(arms: Mapping[str, Mapping[str, Any]],
-                      step_seconds: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], PhasedStepTime]:
-    """``(task, arm) -> PhasedStepTime`` for every quality arm with ``timed_as: [[arm, steps], ..., [arm, null]]``:
-    its steps cost, phase by phase, the recipe-loop step time of the named arms (tasks lacking one are left out)."""
-    out: dict[tuple[str, str], PhasedStepTime] = {}
-    tasks = {task for task, _ in step_seconds}
-    for name, arm in arms.items():
-        phases = arm.get("timed_as")
-        if not phases:
-            continue
-        for task in tasks:
-            if all((task, phase_arm) in step_seconds for phase_arm, _ in phases):
-                out[(task, name)] = PhasedStepTime(tuple(
-                    (None if steps is None else int(steps), step_seconds[(task, phase_arm)]) for phase_arm, steps in phases))
-    return out
+def timed_as_step_times(arms: Mapping[str, Mapping[str, Any]],
+                        step_seconds: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """``(task, arm) ->`` seconds per step for every quality arm with ``timed_as: [[twin, null]]``: its steps cost
+    the recipe-loop step time of ``twin``, an arm with the same step (tasks lacking ``twin`` are left out).
+
+    Example::
+
+        >>> timed_as_step_times({"dyadic_lr": {"timed_as": [["dyadic", None]]}, "full": {}},
+        ...                     {("t", "dyadic"): 1.5, ("t", "full"): 3.0})
+        {('t', 'dyadic_lr'): 1.5}
+    """
+    twins = {name: arm["timed_as"][0][0] for name, arm in arms.items() if arm.get("timed_as")}
+    return {(task, name): step_seconds[(task, twin)] for name, twin in twins.items()
+            for task in {task for task, _ in step_seconds} if (task, twin) in step_seconds}
 
 
 def eval_curve(result: Mapping[str, Any], per_step: StepTime | None = None) -> list[Point]:

@@ -76,10 +76,6 @@ class DyadicPolicy(SelectionPolicy):
         levels: ``L``, the number of depths (``L = 3``, the default: N/4, N/2 and N; ``L = 4`` adds N/8).
             3 levels reached 90% of full backprop's improvement sooner than 4 in every measured pipeline
             (docs/results.md, "The default: 3 levels").
-        full_after: From this optimizer step on, every block trains (full backprop); ``None``: never.
-            The cheap shallow steps make the early, fast part of the loss curve sooner, full steps the
-            slow, late part, where a shallow step learns too little for its cost. With ``switch_every > 1``:
-            from the first round that starts at or after it.
 
     Example::
 
@@ -87,18 +83,13 @@ class DyadicPolicy(SelectionPolicy):
         >>> policy.setup(num_blocks=8)
         >>> [len(policy.select(t)) for t in range(8)]
         [8, 2, 4, 2, 8, 2, 4, 2]
-        >>> policy = DyadicPolicy(levels=3, full_after=5)
-        >>> policy.setup(num_blocks=8)
-        >>> [len(policy.select(t)) for t in range(8)]
-        [8, 2, 4, 2, 8, 8, 8, 8]
     """
 
     needs_size = False
 
-    def __init__(self, *args: Any, levels: int = 3, full_after: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, levels: int = 3, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.levels = check_int("levels", levels, 1)
-        self.full_after = None if full_after is None else check_int("full_after", full_after, 0)
 
     @property
     def cycle_steps(self) -> int:
@@ -106,16 +97,10 @@ class DyadicPolicy(SelectionPolicy):
         return 2 ** (self.levels - 1) * self.switch_every
 
     def __repr__(self) -> str:
-        depths = f", depths={[len(self._ruler(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
-        then = f", full_after={self.full_after}" if self.full_after is not None else ""
-        return f"DyadicPolicy(levels={self.levels}{depths}{then}, switch_every={self.switch_every})"
+        depths = f", depths={[len(self._choose(r)) for r in range(2 ** (self.levels - 1))]}" if self.num_blocks else ""
+        return f"DyadicPolicy(levels={self.levels}{depths}, switch_every={self.switch_every})"
 
     def _choose(self, round_index: int) -> list[int]:
-        if self.full_after is not None and round_index * self.switch_every >= self.full_after:
-            return list(range(self.num_blocks))
-        return self._ruler(round_index)
-
-    def _ruler(self, round_index: int) -> list[int]:
         position = round_index % 2 ** (self.levels - 1)
         halvings = (position & -position).bit_length() - 1 if position else self.levels - 1
         depth = max(1, round(self.num_blocks / 2 ** (self.levels - 1 - halvings)))
