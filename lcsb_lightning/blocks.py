@@ -267,12 +267,6 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
     return BlockParams(found, params_per_block, names_per_block, outside)
 
 
-def _full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A DTensor norm as a plain tensor (a collective on every rank); a plain tensor as it is."""
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm
-
-
 def _reduction_key(grad: torch.Tensor) -> tuple[object, tuple[int, ...]] | None:
     """How a gradient's local squared norm becomes the full one: None for a plain tensor (it is the
     full one), else its DTensor mesh and the mesh dims it is sharded over (summed across). A

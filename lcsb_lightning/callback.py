@@ -222,7 +222,7 @@ class LCSBCallback(FitScopedCallback):
         # global_step counts optimizer steps, so it is constant across an accumulation window
         if self.probe_every and trainer.global_step % self.probe_every == 0:
             self._probe_batch = (batch, batch_idx)
-        selection = self.controller.begin_step(trainer.global_step, trainer.optimizers)
+        selection = self.controller.begin_step(trainer.global_step)
         if selection is None:
             return
         pl_module.log("lcsb/num_selected", float(len(selection)), on_step=True, on_epoch=False)

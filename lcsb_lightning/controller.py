@@ -42,11 +42,10 @@ class LCSBController:
         >>> from torch import nn
         >>> from lcsb_lightning.policies import CyclicPolicy
         >>> net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
-        >>> opt = torch.optim.AdamW(net[1].parameters())
         >>> ctl = LCSBController(net, CyclicPolicy(layers_per_step=2))
-        >>> ctl.begin_step(0, [opt])  # group (0, 1); `all_reached` also trains the blocks above it
+        >>> ctl.begin_step(0)  # group (0, 1); `all_reached` also trains the blocks above it
         (0, 1, 2, 3)
-        >>> ctl.begin_step(1, [opt])
+        >>> ctl.begin_step(1)
         (2, 3)
         >>> ctl.release()
     """
@@ -92,9 +91,8 @@ class LCSBController:
         names = zip(self.block_params.names_per_block, self.block_params.params_per_block)
         return [name for block_names, params in names for name, p in zip(block_names, params) if id(p) not in present]
 
-    def begin_step(self, step: int, optimizers: Sequence[Optimizer] = ()) -> tuple[int, ...] | None:
-        """Select the blocks of optimizer step ``step``; returns the new selection, ``None`` if unchanged.
-        (``optimizers`` is not used; it is kept so that loops written for 0.5 run unchanged.)"""
+    def begin_step(self, step: int) -> tuple[int, ...] | None:
+        """Select the blocks of optimizer step ``step``; returns the new selection, ``None`` if unchanged."""
         if step == self.selected_at_step:
             return None
         selection = self.policy.select(step)

@@ -58,10 +58,6 @@ class CacheStats:
     stored_bytes: int = 0
     dropped_examples: int = 0  # not stored: the cache was full
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.batches if self.batches else 0.0
-
 
 class _Row:
     """One example of the current batch: its key and, for a right-padded row, its real length."""

@@ -1,7 +1,7 @@
 # python recipes/hand_written_loop.py [--steps 20]
 """Selective backprop without Lightning: ``LCSBController`` in a plain PyTorch training loop.
 
-Two calls per step: ``begin_step(step, optimizers)`` before the forward pass picks the blocks and
+Two calls per step: ``begin_step(step)`` before the forward pass picks the blocks and
 prepares the model; ``before_optimizer_step(optimizer)`` after ``backward()`` feeds the policy and
 leaves the gradients AdamW should see. ``release()`` restores the model. Copy and edit.
 """
@@ -31,7 +31,7 @@ def main() -> None:
     data = torch.randint(0, 256, (args.steps, 2, 64), generator=torch.Generator().manual_seed(0))
     try:
         for step, tokens in enumerate(data):
-            controller.begin_step(step, [optimizer])
+            controller.begin_step(step)
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             controller.before_optimizer_step(optimizer)

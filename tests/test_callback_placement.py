@@ -250,7 +250,7 @@ def test_ema_weight_averaging_next_to_lcsb() -> None:
 def test_copy_made_while_installed_has_no_instance_forward() -> None:
     model = tiny_llama_peft(num_layers=4)
     controller = LCSBController(model, CyclicPolicy(layers_per_step=2))
-    controller.begin_step(1, [])
+    controller.begin_step(1)
     twin = copy.deepcopy(model)
     controller.release()
     assert all("forward" not in vars(m) for m in twin.modules())

@@ -187,13 +187,13 @@ def test_controller_gives_the_embedding_zero_or_no_gradient_on_steps_that_do_not
     controller = LCSBController(model, CyclicPolicy(layers_per_step=2), backward="selected_only", unreached=unreached)
     lowest_block_lora = controller.block_params.params_per_block[0][0]
     try:
-        assert controller.begin_step(0, [optimizer]) == (0, 1)  # reaches the embedding
+        assert controller.begin_step(0) == (0, 1)  # reaches the embedding
         _loss(model).backward()
         controller.before_optimizer_step(optimizer)
         assert embedding.grad is not None and embedding.grad.any()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        assert controller.begin_step(1, [optimizer]) == (2, 3)
+        assert controller.begin_step(1) == (2, 3)
         _loss(model).backward()
         assert embedding.grad is not None and not embedding.grad.any()  # exact zeros: plain DDP is served
         assert controller.selective is not None and [id(p) for p in controller.selective.params_below] == [id(embedding)]
@@ -240,7 +240,7 @@ def test_a_tied_embedding_keeps_its_head_gradient_on_steps_that_do_not_reach_it(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     controller = LCSBController(model, CyclicPolicy(layers_per_step=2), unreached=unreached)
     try:
-        assert controller.begin_step(1, [optimizer]) == (2, 3)  # does not reach the embedding lookup
+        assert controller.begin_step(1) == (2, 3)  # does not reach the embedding lookup
         _loss(model).backward()
         controller.before_optimizer_step(optimizer)
         assert weight.grad is not None

@@ -215,7 +215,7 @@ def _controller_grads(model: nn.Module, backward: str, step: int, ids: torch.Ten
     controller = LCSBController(model, CyclicPolicy(layers_per_step=1), backward=backward)
     blocks = controller.block_params.params_per_block
     optimizer = torch.optim.AdamW([p for params in blocks for p in params], lr=1e-3)
-    selection = controller.begin_step(step, [optimizer])
+    selection = controller.begin_step(step)
     model(input_ids=ids, labels=ids).loss.backward()
     controller.before_optimizer_step(optimizer)
     controller.release()
@@ -262,7 +262,7 @@ def test_dyadic_selections_are_top_ranges_that_all_reached_leaves_unchanged() ->
     selections = {}
     for mode in ("selected_only", "all_reached"):
         controller = LCSBController(model, DyadicPolicy(levels=3), backward=mode)
-        selections[mode] = [controller.begin_step(step, []) for step in range(8)]
+        selections[mode] = [controller.begin_step(step) for step in range(8)]
         controller.release()
     assert selections["selected_only"] == selections["all_reached"]
     assert [len(s) for s in selections["selected_only"]] == [8, 2, 4, 2, 8, 2, 4, 2]
@@ -281,7 +281,7 @@ def test_parameters_added_to_the_optimizer_mid_run_get_the_non_selected_treatmen
     for step, added in ((0, None), (1, blocks[2])):  # step 1 selects block 1; block 2 joins the optimizer
         if added is not None:
             optimizer.add_param_group({"params": list(added)})
-        controller.begin_step(step, [optimizer])
+        controller.begin_step(step)
         model(input_ids=ids, labels=ids).loss.backward()
         controller.before_optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=False)

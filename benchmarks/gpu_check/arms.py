@@ -178,7 +178,7 @@ def train_step(arm: Arm, ids: torch.Tensor, instrument: bool = False) -> StepRec
         start_bytes, _ = _allocated(arm.device), _peak(arm.device, reset=True)
         start = time.perf_counter()
         if arm.controller is not None:
-            arm.controller.begin_step(arm.step_index, [arm.optimizer])
+            arm.controller.begin_step(arm.step_index)
         loss = arm_loss(arm, ids)
         _sync(arm.device)
         backward_start = time.perf_counter()

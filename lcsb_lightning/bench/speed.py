@@ -80,7 +80,7 @@ class ArmStepper:
         start = time.perf_counter()
         controller = LCSBController(self.model, self.policies[name], backward=self.backward)
         try:
-            selection = controller.begin_step(self.step_index[name], [self.optimizer]) or ()
+            selection = controller.begin_step(self.step_index[name]) or ()
             self.k[name], self.num_blocks = len(selection), controller.num_blocks
             lm_loss(self.model, self.tokens, self.chunk_size).backward()
             controller.before_optimizer_step(self.optimizer)
