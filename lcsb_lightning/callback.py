@@ -55,7 +55,7 @@ class LCSBCallback(FitScopedCallback):
 
     The defaults are the configuration that won this project's study on the real SmolLM2
     (docs/results.md): ``policy="dyadic"`` with ``backward="all_reached"`` back-propagates, exactly, the top
-    N/8 blocks every step, N/4 every second step, N/2 every fourth and all of them every eighth. The
+    N/4 blocks every step, N/2 every second step and all of them every fourth (3 levels). The
     LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
 
     Args:

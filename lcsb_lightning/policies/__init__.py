@@ -8,7 +8,7 @@ random     k random blocks; ``reshuffle`` covers all per cycle   LISA / BAdam ra
 grad_norm  EMA of LoRA grad norms + exploration, bounded gaps    importance sampling
 full       all blocks                                            full-backprop baseline
 top_only   the top k blocks only                                 the paper's Freeze baseline
-dyadic     the top N/8 every round, N/4, N/2, N on a ruler cycle truncated backprop, exact
+dyadic     the top N/4 every round, N/2, N on a 3-level ruler    truncated backprop, exact
 ========== ===================================================== ===========================
 """
 
