@@ -49,34 +49,31 @@ class PhaseTimer(Callback):
     """Wall time of each phase of every training step (place it after every other callback).
 
     Args:
-        lm_head: The module whose forward and backward to time, or a function of the LightningModule that
-            returns it at the start of training (after a precision plugin such as QuantizedMeBP's has
-            replaced the model's modules: hooks on the module before would never fire).
+        lm_head_of: A function of the LightningModule that returns the module whose forward and backward to
+            time (the LM head), called at the start of training: after a precision plugin such as
+            QuantizedMeBP's has replaced the model's modules (hooks on the module before would never fire).
     """
 
-    def __init__(self, lm_head: torch.nn.Module | Callable[[LightningModule], torch.nn.Module] | None = None) -> None:
+    def __init__(self, lm_head_of: Callable[[LightningModule], torch.nn.Module] | None = None) -> None:
         self.steps: list[dict[str, float]] = []
         self._marks: dict[str, float] = {}
         self._last_end: float | None = None
         self._lm_head_ms = {"forward": 0.0, "backward": 0.0}
         self._head_t0 = 0.0
         self._handles: list[Any] = []
-        self._lm_head_of = lm_head if callable(lm_head) and not isinstance(lm_head, torch.nn.Module) else None
-        if isinstance(lm_head, torch.nn.Module):
-            self._hook(lm_head)
+        self._lm_head_of = lm_head_of
 
-    def _hook(self, lm_head: torch.nn.Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._lm_head_of is None:
+            return
+        self.remove_hooks()
+        lm_head = self._lm_head_of(pl_module)
         self._handles = [
             lm_head.register_forward_pre_hook(lambda *_: self._head_start(first_forward=True)),
             lm_head.register_forward_hook(lambda *_: self._head_stop("forward")),
             lm_head.register_full_backward_pre_hook(lambda *_: self._head_start()),
             lm_head.register_full_backward_hook(lambda *_: self._head_stop("backward")),
         ]
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._lm_head_of is not None:
-            self.remove_hooks()
-            self._hook(self._lm_head_of(pl_module))
 
     def _head_start(self, first_forward: bool = False) -> None:
         self._head_t0 = time.perf_counter()
