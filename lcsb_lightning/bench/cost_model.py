@@ -74,9 +74,8 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """
     if len(xs) != len(ys) or len(set(xs)) < 2:
         raise ValueError(f"A line needs points at two or more distinct depths, got xs={list(xs)!r}, ys={list(ys)!r}.")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return round(my - b * mx, 12), round(b, 12)
+    b, a = statistics.linear_regression(xs, ys)
+    return round(a, 12), round(b, 12)
 
 
 def split_phases(step: Mapping[str, float]) -> dict[str, float]:
