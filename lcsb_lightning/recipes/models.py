@@ -341,9 +341,13 @@ class SameWeightsOnEveryRank(L.Callback):
         RuntimeError: on every rank, when any rank's digest differs from rank 0's.
     """
 
+    def __init__(self) -> None:
+        self.checked = False  # once per process: after the first setup DDP keeps the ranks' parameters equal
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.world_size == 1:
+        if trainer.world_size == 1 or self.checked:
             return
+        self.checked = True
         digest = hashlib.sha256()
         for name, tensor in [*pl_module.named_parameters(), *pl_module.named_buffers()]:
             if tensor.device.type != "meta":
