@@ -7,14 +7,16 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+import torch
 from torch.optim import Optimizer
 
 from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.fit_scoped import FitScopedCallback
-from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
+from lcsb_lightning.policies import DropBPPolicy, SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
 from lcsb_lightning.selection_image import probe_image, selection_image
+from lcsb_lightning.sublayers import SublayerDrop, first_example, measure_sensitivity, sequence_length, sublayer_flops
 from lcsb_lightning.validation import check_int
 
 _PROBES_KEPT = 10_000
@@ -148,6 +150,7 @@ class LCSBCallback(FitScopedCallback):
         self._history: list[tuple[int, ...]] = []
         self._pending_state: dict[str, Any] | None = None
         self._image_unsupported_reported = False
+        self._sensitivity_step: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -206,8 +209,13 @@ class LCSBCallback(FitScopedCallback):
                 f"them (on the others: unreached={self.unreached}), those above it (the head, "
                 "the final norm) at every step."
             )
+        self._sensitivity_step = (
+            self.policy.sensitivity_step(int(trainer.estimated_stepping_batches))
+            if isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity else None
+        )
+        units = "sublayers" if self.controller.sublayers else "blocks"
         rank_zero_info(
-            f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "
+            f"LCSB: {self.policy!r} over {self.num_blocks} {units}, "
             + (f"k={self.policy.k}, " if self.policy.needs_size else "")
             + f"backward={self.backward}, unreached={self.unreached}."
         )
@@ -232,6 +240,38 @@ class LCSBCallback(FitScopedCallback):
         if len(self._history) >= self.log_every_n_steps:
             self._log_selection_image(trainer, trainer.global_step)
             self._history = []  # on every rank, so the history stays bounded everywhere
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # here, inside the step's wall-clock as a timer that runs after this callback sees it
+        if self._sensitivity_step is not None and trainer.global_step >= self._sensitivity_step:
+            self._sensitivity_step = None
+            self._allocate_by_sensitivity(trainer, pl_module, batch, batch_idx)
+
+    def _allocate_by_sensitivity(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """DropBP's allocation: each sublayer's sensitivity on one example of ``batch``, averaged over the processes
+        so that every rank draws the same drops, then the rates under the policy's FLOP budget."""
+        assert self.controller is not None and isinstance(self.controller.selective, SublayerDrop)
+        assert isinstance(self.policy, DropBPPolicy)
+        example = first_example(batch)
+
+        def loss() -> Any:
+            with _logging_suppressed(pl_module):
+                out = pl_module.training_step(example, batch_idx)
+            return out["loss"] if isinstance(out, dict) else out
+
+        units = self.controller.block_params
+        with torch.random.fork_rng(devices=[]):  # the training's own random stream (dropout) stays as it was
+            sensitivity = measure_sensitivity(loss, self.controller.selective, units.params_per_block)
+        mean = trainer.strategy.reduce(torch.tensor(sensitivity, device=pl_module.device), reduce_op="mean")
+        seq_len = sequence_length(example)
+        flops = [sublayer_flops(unit, seq_len, attention=i % 2 == 0) for i, unit in enumerate(units.blocks)]
+        rates = self.policy.allocate(mean.tolist(), flops)
+        rank_zero_info(
+            f"LCSB: drop rates by sensitivity after step {trainer.global_step}: attention "
+            f"{[round(r, 1) for r in rates[0::2]]}, MLP {[round(r, 1) for r in rates[1::2]]}."
+        )
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         assert self.controller is not None

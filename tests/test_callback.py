@@ -170,7 +170,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only\.$"),
+        (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dropbp, dyadic, full, grad_norm, random, top_only\.$"),
         (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(backward="truncated"), ValueError, r"`backward='truncated'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(unreached="skip"), ValueError, r"`unreached='skip'` is not supported; allowed: skip_below, implicit\.$"),

@@ -129,13 +129,13 @@ def test_dyadic_levels(levels: int, switch_every: int, depths: list[int]) -> Non
 
 
 def test_registry_lists_every_policy() -> None:
-    assert available_policies() == ["cyclic", "dyadic", "full", "grad_norm", "random", "top_only"]
+    assert available_policies() == ["cyclic", "dropbp", "dyadic", "full", "grad_norm", "random", "top_only"]
 
 
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only"),
+        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dropbp, dyadic, full, grad_norm, random, top_only"),
         (lambda: CyclicPolicy(), "needs `layers_per_step=k` or `fraction=f`; got neither"),
         (lambda: CyclicPolicy(layers_per_step=2, fraction=0.5), "Give only one of `layers_per_step` \\(2\\) and `fraction` \\(0.5\\)"),
         (lambda: CyclicPolicy(layers_per_step=0), "`layers_per_step` must be an integer >= 1, got 0"),
