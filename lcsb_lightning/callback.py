@@ -62,7 +62,10 @@ class LCSBCallback(FitScopedCallback):
 
     Args:
         policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``,
-            ``"full"``, ``"top_only"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
+            ``"full"``, ``"top_only"``, ``"dropbp"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy`
+            instance. ``"dropbp"`` (:class:`~lcsb_lightning.policies.DropBPPolicy`) selects attention and MLP
+            sublayers instead of blocks (DropBP); with ``allocation="sensitivity"`` the callback measures
+            each sublayer's sensitivity once, inside the training step's time, and averages it over the processes.
         layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
             cyclic, random, grad_norm, top_only).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].

@@ -199,11 +199,20 @@ def test_allocation_errors() -> None:
         ({"allocation": "sensitivity", "drop_rate": 0.95}, r"must be <= 0.9"),
         ({"sensitivity_at": 1.0}, r"`sensitivity_at` must be in \[0, 1\), got 1.0"),
         ({"switch_every": 0}, r"`switch_every` must be an integer >= 1, got 0"),
+        ({"layers_per_step": 2}, r"`layers_per_step=2` sizes a block policy; DropBPPolicy drops sublayers at `drop_rate`"),
+        ({"fraction": 0.25}, r"`fraction=0.25` sizes a block policy"),
     ],
 )
 def test_policy_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DropBPPolicy(**kwargs)
+
+
+def test_the_callback_builds_dropbp_by_name() -> None:
+    callback = LCSBCallback("dropbp", seed=2)
+    assert isinstance(callback.policy, DropBPPolicy) and callback.policy.seed == 2 and callback.policy.drop_rate == 0.5
+    with pytest.raises(ValueError, match=r"`layers_per_step=4` sizes a block policy"):
+        LCSBCallback("dropbp", layers_per_step=4)
 
 
 def test_draws_drop_at_least_the_rate_each_step_and_each_unit_at_its_rate() -> None:

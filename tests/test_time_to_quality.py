@@ -60,6 +60,21 @@ def test_rows_give_the_ratio_to_full_and_the_loss_at_full_wallclock() -> None:
     assert rows["never"]["loss_at_full_wallclock"] is None  # its curve ends at 100 s, before full's 200 s
 
 
+def test_an_arm_that_reaches_the_target_only_in_its_wall_clock_run_is_timed_there() -> None:
+    slow = _result("slow", "slow", {0: 4.0, 50: 3.0, 100: 2.5}, 1.0)  # target 2.2 not reached in 100 steps
+    slow_wallclock = _result("slow_wc", "slow", {0: 4.0, 100: 2.6, 150: 2.3, 200: 2.1}, 1.0, run="wallclock",
+                             wallclock_of="slow")
+    rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST, FAST_WALLCLOCK, slow, slow_wallclock, NEVER])}
+    # 2.3 at step 150, 2.1 at 200 -> 2.2 at step 175 = 175 s, against full's 150 s
+    assert rows["slow"]["reach_step"] == pytest.approx(175.0) and rows["slow"]["reach_seconds"] == pytest.approx(175.0)
+    assert rows["slow"]["ratio_to_full"] == pytest.approx(175.0 / 150.0)
+    assert rows["slow"]["reached_in"] == "own schedule"
+    assert rows["fast"]["reached_in"] == "equal steps"  # reached there first: its twin is not asked
+    assert rows["never"]["reached_in"] is None
+    text = report.markdown({"time_to_quality": list(rows.values())}, {"name": "t"})
+    assert "| 175 | 175 | **1.17x** |" in text and "own schedule" in text
+
+
 def test_the_ratio_splits_into_more_steps_times_cheaper_steps() -> None:
     rows = {r["arm"]: r for r in time_to_quality_rows([FULL, FAST, NEVER])}
     # full reaches 2.2 at step 75, fast at 116.67: 1.56x the steps at half the step time = 0.78x the time

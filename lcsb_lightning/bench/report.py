@@ -244,15 +244,16 @@ def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
             "The ratio is the steps ratio (steps to target over full backprop's) times the step-time ratio (mean "
             "step time up to the target over full backprop's). "
             "At full backprop's wall-clock: the final eval loss of the arm's equal-wall-clock run (its schedule fitted "
-            "to that time), or read off its equal-steps curve where it has none.", "",
+            "to that time), or read off its equal-steps curve where it has none. Reached in: the equal-steps run, or "
+            "the equal-wall-clock run (own schedule) where the equal steps did not reach the target.", "",
             table(["task", "arm", "eval loss start -> target", "steps to target", "time to target (s)",
                    "ratio to full", "steps ratio", "step-time ratio", "eval loss at full's wall-clock (full's final)",
-                   "from", "evaluations"],
+                   "from", "reached in", "evaluations"],
                   [[r["task"], r["arm"], f"{_f(r['initial_loss'])} -> {_f(r['target_loss'])}", _f(r["reach_step"], ".0f"),
                     _f(r["reach_seconds"], ".0f"), f"**{_f(r['ratio_to_full'], '.2f', 'x')}**",
                     _f(r.get("steps_ratio"), ".2f", "x"), _f(r.get("step_time_ratio"), ".2f", "x"),
                     f"{_f(r['loss_at_full_wallclock'])} ({_f(r['full_final_loss'])})", r["at_full_wallclock_from"],
-                    str(r["eval_points"])] for r in rows]), ""]
+                    r.get("reached_in") or "-", str(r["eval_points"])] for r in rows]), ""]
 
 
 def _by_share_section(rows: Sequence[Row]) -> list[str]:

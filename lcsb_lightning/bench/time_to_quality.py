@@ -168,6 +168,8 @@ def time_to_quality_rows(
     """One row per task x arm (equal-steps runs): when it reaches ``share`` of full backprop's improvement,
     as a ratio to full backprop's time (below 1: faster to quality), and its final eval loss when it
     trains for full backprop's wall-clock with its own schedule fitted to it (its ``wallclock`` twin).
+    An arm that does not reach the target within the equal steps is timed on its twin's curve, if any
+    (``reached_in``: ``"equal steps"`` or ``"own schedule"``).
 
     The ratio splits into ``steps_ratio`` (its steps to the target over full backprop's: how much less it
     learns per step) times ``step_time_ratio`` (its mean step time up to the target over full backprop's:
@@ -195,15 +197,18 @@ def time_to_quality_rows(
             continue
         initial, full_final, full_seconds = base_curve[0][2], base_curve[-1][2], base_curve[-1][1]
         target = initial - share * (initial - full_final)
-        base_reach, arm_reach = reach(base_curve, target), reach(curve, target)
         twin = twins.get(r["name"])
         twin_curve = eval_curve(twin, step_seconds.get((task, arm))) if twin is not None else []
+        base_reach, arm_reach, reached_in = reach(base_curve, target), reach(curve, target), "equal steps"
+        if arm_reach is None and twin_curve:  # not within the equal steps: within full backprop's wall-clock?
+            arm_reach, reached_in = reach(twin_curve, target), "own schedule"
         rows.append({
             "task": task, "arm": arm, "baseline": base["labels"]["arm"], "share": share,
             "initial_loss": initial, "target_loss": target, "final_loss": curve[-1][2], "steps": curve[-1][0],
             "seconds_per_step": _mean_step_seconds(step_seconds.get((task, arm)), curve[-1][0]),
             "reach_step": None if arm_reach is None else arm_reach[0],
             "reach_seconds": None if arm_reach is None else arm_reach[1],
+            "reached_in": None if arm_reach is None else reached_in,
             "ratio_to_full": (arm_reach[1] / base_reach[1]) if arm_reach and base_reach and base_reach[1] > 0 else None,
             **_ratio_factors(arm_reach, base_reach),
             "loss_at_full_wallclock": twin_curve[-1][2] if twin_curve else (

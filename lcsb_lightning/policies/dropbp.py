@@ -68,6 +68,8 @@ class DropBPPolicy(SelectionPolicy):
             (DropBP: 0.1); uniform rates until then.
         switch_every: optimizer steps between draws.
         seed: seed of the draws.
+        layers_per_step, fraction: block-policy sizes, refused unless ``None`` (``LCSBCallback("dropbp")``
+            passes them so).
 
     Example::
 
@@ -82,8 +84,11 @@ class DropBPPolicy(SelectionPolicy):
 
     def __init__(
         self, drop_rate: float = 0.5, allocation: str = "uniform", sensitivity_at: float = 0.1,
-        switch_every: int = 1, seed: int = 0,
+        switch_every: int = 1, seed: int = 0, layers_per_step: int | None = None, fraction: float | None = None,
     ) -> None:
+        for name, value in (("layers_per_step", layers_per_step), ("fraction", fraction)):
+            if value is not None:  # LCSBCallback("dropbp") passes both as None
+                raise ValueError(f"`{name}={value!r}` sizes a block policy; DropBPPolicy drops sublayers at `drop_rate`.")
         super().__init__(switch_every=switch_every, seed=seed)
         if not 0.0 <= float(drop_rate) < 1.0:
             raise ValueError(f"`drop_rate` must be in [0, 1), got {drop_rate!r}.")
