@@ -171,20 +171,21 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dropbp, dyadic, full, grad_norm, random, top_only\.$"),
-        (dict(layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
+        (dict(policy="cyclic", layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(backward="truncated"), ValueError, r"`backward='truncated'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(unreached="skip"), ValueError, r"`unreached='skip'` is not supported; allowed: skip_below, implicit\.$"),
-        (dict(layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
-        (dict(fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
-        (dict(layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),
+        (dict(policy="cyclic", layers_per_step=0), ValueError, "`layers_per_step` must be an integer >= 1, got 0"),
+        (dict(policy="cyclic", fraction=0.0), ValueError, "`fraction` must be in \\(0, 1\\], got 0.0"),
+        (dict(policy="cyclic", layers_per_step=2, fraction=0.5), ValueError, "Give only one of `layers_per_step`"),
         (dict(policy="cyclic"), ValueError, "CyclicPolicy needs `layers_per_step=k` or `fraction=f`; got neither"),
+        (dict(layers_per_step=4), ValueError, r"`layers_per_step=4` sizes the policies .*; 'dyadic' takes none\.$"),
         (dict(policy=CyclicPolicy(layers_per_step=1), layers_per_step=2), ValueError, "`layers_per_step=2` configures a policy built by name"),
         (dict(policy=CyclicPolicy(layers_per_step=1), switch_every=2), ValueError,
          r"`switch_every=2` configures a policy built by name; .* instance .* carries its own\.$"),
         (dict(policy=CyclicPolicy(layers_per_step=1), seed=3), ValueError,
          r"`seed=3` configures a policy built by name; .* instance .* carries its own\.$"),
         (dict(policy=3), TypeError, "`policy` must be a name or a SelectionPolicy, got int"),
-        (dict(layers_per_step=1, log_every_n_steps=-1), ValueError, "`log_every_n_steps` must be an integer >= 0"),
+        (dict(policy="cyclic", layers_per_step=1, log_every_n_steps=-1), ValueError, "`log_every_n_steps` must be an integer >= 0"),
     ],
 )
 def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -194,14 +195,14 @@ def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], matc
 
 def test_fit_time_errors(residual_net) -> None:
     with pytest.raises(ValueError, match="`layers_per_step=5` exceeds the model's 4 blocks; allowed: 1..4"):
-        _fit(TokenLM(residual_net(num_blocks=4)), LCSBCallback(layers_per_step=5), steps=1)
+        _fit(TokenLM(residual_net(num_blocks=4)), LCSBCallback("cyclic", layers_per_step=5), steps=1)
     frozen = residual_net(num_blocks=4)
     frozen.stack.requires_grad_(False)
     with pytest.raises(ValueError, match="No trainable parameter inside any of the 4 blocks"):
-        _fit(TokenLM(frozen), LCSBCallback(layers_per_step=1), steps=1)
+        _fit(TokenLM(frozen), LCSBCallback("cyclic", layers_per_step=1), steps=1)
     model = TokenLM(residual_net(num_blocks=4), optimizer_from_requires_grad=False)
     with pytest.raises(ValueError, match="16 trainable block parameters are in no optimizer param group"):
-        _fit(model, LCSBCallback(layers_per_step=1), steps=1)
+        _fit(model, LCSBCallback("cyclic", layers_per_step=1), steps=1)
     assert all(p.requires_grad for p in model.model.stack.parameters())
 
 

@@ -146,6 +146,13 @@ def test_registry_lists_every_policy() -> None:
         (lambda: CyclicPolicy(layers_per_step=9).setup(8), "`layers_per_step=9` exceeds the model's 8 blocks; allowed: 1..8"),
         (lambda: build_policy("dyadic", levels=0), r"`levels` must be an integer >= 1, got 0\.$"),
         (lambda: build_policy("dyadic", levels={0: 4, 24: 3}), r"`levels` must be an integer >= 1, got \{0: 4, 24: 3\}\.$"),
+        # a size given to a policy that takes none is refused, not ignored
+        (lambda: build_policy("dyadic", layers_per_step=4),
+         r"`layers_per_step=4` sizes the policies cyclic, grad_norm, random, top_only; 'dyadic' takes none\.$"),
+        (lambda: build_policy("full", fraction=0.5), r"`fraction=0.5` sizes the policies .*; 'full' takes none\.$"),
+        (lambda: build_policy("dropbp", layers_per_step=2), r"`layers_per_step=2` sizes the policies .*; 'dropbp' takes none"),
+        (lambda: DyadicPolicy(layers_per_step=4), r"DyadicPolicy takes no size: `layers_per_step=4`"),
+        (lambda: FullPolicy(fraction=0.5), r"FullPolicy takes no size: `fraction=0.5`"),
     ],
 )
 def test_policy_errors(factory, match: str) -> None:

@@ -50,6 +50,10 @@ class SelectionPolicy(ABC):
         switch_every: int = 1,
         seed: int = 0,
     ) -> None:
+        if not self.needs_size:
+            for name, value in (("layers_per_step", layers_per_step), ("fraction", fraction)):
+                if value is not None:
+                    raise ValueError(f"{type(self).__name__} takes no size: `{name}={value!r}`.")
         if layers_per_step is not None and fraction is not None:
             raise ValueError(
                 f"Give only one of `layers_per_step` ({layers_per_step}) and `fraction` ({fraction})."
@@ -164,8 +168,20 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_policy(name: str, **kwargs: Any) -> SelectionPolicy:
-    """Build a registered policy by name, e.g. ``build_policy("cyclic", layers_per_step=4)``."""
+def build_policy(
+    name: str, layers_per_step: int | None = None, fraction: float | None = None, **kwargs: Any
+) -> SelectionPolicy:
+    """Build a registered policy by name, e.g. ``build_policy("cyclic", layers_per_step=4)``.
+
+    Raises:
+        ValueError: an unknown name, or a size (``layers_per_step`` / ``fraction``) for a policy that takes none.
+    """
     if name not in _REGISTRY:
         raise ValueError(f"Unknown policy {name!r}; available: {', '.join(available_policies())}.")
-    return _REGISTRY[name](**kwargs)
+    policy_class = _REGISTRY[name]
+    sizes = {k: v for k, v in (("layers_per_step", layers_per_step), ("fraction", fraction)) if v is not None}
+    if sizes and not policy_class.needs_size:
+        sized = ", ".join(n for n in available_policies() if _REGISTRY[n].needs_size)
+        size, value = next(iter(sizes.items()))
+        raise ValueError(f"`{size}={value!r}` sizes the policies {sized}; {name!r} takes none.")
+    return policy_class(**sizes, **kwargs)

@@ -58,6 +58,10 @@ class DropBPPolicy(SelectionPolicy):
     with its own probability; when fewer than ``drop_rate`` of the units drop, the ones with the highest rates
     (ties in random order) drop too, as DropBP does, so a step never keeps more than ``1 - drop_rate`` of them.
 
+    Two differences from the authors' code: one draw holds for a whole optimizer step (DropBP draws at every
+    micro-batch; they differ under gradient accumulation), and with several processes each measures the
+    sensitivity on its own example and the callback averages them (DropBP measures one process's gradients).
+
     Args:
         drop_rate: the target share of the backward to drop, in [0, 1) (DropBP's default: 0.5).
         allocation: ``"uniform"``: every unit drops with ``drop_rate``. ``"sensitivity"``: after
@@ -68,8 +72,6 @@ class DropBPPolicy(SelectionPolicy):
             (DropBP: 0.1); uniform rates until then.
         switch_every: optimizer steps between draws.
         seed: seed of the draws.
-        layers_per_step, fraction: block-policy sizes, refused unless ``None`` (``LCSBCallback("dropbp")``
-            passes them so).
 
     Example::
 
@@ -84,11 +86,8 @@ class DropBPPolicy(SelectionPolicy):
 
     def __init__(
         self, drop_rate: float = 0.5, allocation: str = "uniform", sensitivity_at: float = 0.1,
-        switch_every: int = 1, seed: int = 0, layers_per_step: int | None = None, fraction: float | None = None,
+        switch_every: int = 1, seed: int = 0,
     ) -> None:
-        for name, value in (("layers_per_step", layers_per_step), ("fraction", fraction)):
-            if value is not None:  # LCSBCallback("dropbp") passes both as None
-                raise ValueError(f"`{name}={value!r}` sizes a block policy; DropBPPolicy drops sublayers at `drop_rate`.")
         super().__init__(switch_every=switch_every, seed=seed)
         if not 0.0 <= float(drop_rate) < 1.0:
             raise ValueError(f"`drop_rate` must be in [0, 1), got {drop_rate!r}.")
