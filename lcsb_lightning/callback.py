@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -180,6 +181,14 @@ class LCSBCallback(FitScopedCallback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _check_strategy(trainer)
+        total_steps = trainer.estimated_stepping_batches
+        measures = isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity
+        if measures and not (math.isfinite(total_steps) and total_steps >= 1):
+            raise ValueError(
+                f"{self.policy!r} with allocation='sensitivity' measures after `sensitivity_at="
+                f"{self.policy.sensitivity_at}` of the run's steps, and this run's length is unknown "
+                f"(estimated_stepping_batches={total_steps}): set `max_steps`."
+            )
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.unreached, self.blocks)
@@ -212,10 +221,7 @@ class LCSBCallback(FitScopedCallback):
                 f"them (on the others: unreached={self.unreached}), those above it (the head, "
                 "the final norm) at every step."
             )
-        self._sensitivity_step = (
-            self.policy.sensitivity_step(int(trainer.estimated_stepping_batches))
-            if isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity else None
-        )
+        self._sensitivity_step = self.policy.sensitivity_step(int(total_steps)) if measures else None
         units = "sublayers" if self.controller.sublayers else "blocks"
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} {units}, "
@@ -250,7 +256,9 @@ class LCSBCallback(FitScopedCallback):
         # here, inside the step's wall-clock as a timer that runs after this callback sees it
         if self._sensitivity_step is not None and trainer.global_step >= self._sensitivity_step:
             self._sensitivity_step = None
-            self._allocate_by_sensitivity(trainer, pl_module, batch, batch_idx)
+            # FSDP and ModelParallelStrategy restore a checkpoint after on_fit_start: its rates may be in by now
+            if isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity:
+                self._allocate_by_sensitivity(trainer, pl_module, batch, batch_idx)
 
     def _allocate_by_sensitivity(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """DropBP's allocation: each sublayer's sensitivity on one example of ``batch``, averaged over the processes
@@ -258,15 +266,11 @@ class LCSBCallback(FitScopedCallback):
         assert self.controller is not None and isinstance(self.controller.selective, SublayerDrop)
         assert isinstance(self.policy, DropBPPolicy)
         example = first_example(batch)
-
-        def loss() -> Any:
-            with _logging_suppressed(pl_module):
-                out = pl_module.training_step(example, batch_idx)
-            return out["loss"] if isinstance(out, dict) else out
-
         units = self.controller.block_params
-        with torch.random.fork_rng(devices=[]):  # the training's own random stream (dropout) stays as it was
-            sensitivity = measure_sensitivity(loss, self.controller.selective, units.params_per_block)
+        sensitivity = measure_sensitivity(
+            lambda: _training_loss(trainer, pl_module, example, batch_idx), self.controller.selective,
+            units.params_per_block,
+        )
         mean = trainer.strategy.reduce(torch.tensor(sensitivity, device=pl_module.device), reduce_op="mean")
         seq_len = sequence_length(example)
         flops = [sublayer_flops(unit, seq_len, attention=i % 2 == 0) for i, unit in enumerate(units.blocks)]
@@ -284,24 +288,21 @@ class LCSBCallback(FitScopedCallback):
         norms = self.controller.before_optimizer_step(optimizer)
         if norms is not None:
             pl_module.log_dict(
-                {f"lcsb/grad_norm/block_{i:02d}": v for i, v in norms.items()}, on_step=True, on_epoch=False
+                {f"lcsb/grad_norm/{self.controller.unit_name(i)}": v for i, v in norms.items()},
+                on_step=True, on_epoch=False,
             )
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.controller is not None
 
-        def exact_loss() -> Any:
-            with _logging_suppressed(pl_module):
-                out = pl_module.training_step(batch, batch_idx)
-            return out["loss"] if isinstance(out, dict) else out
-
         result = probe_gradients(
             trainer.global_step, self.controller.block_params.params_per_block, self.controller.selection,
-            exact_loss, self.controller.selective,
+            lambda: _training_loss(trainer, pl_module, batch, batch_idx), self.controller.selective,
         )
         self.probe_results.append(result)
-        values = {f"lcsb/probe/cos/block_{i:02d}": v for i, v in result.cosine.items()}
-        values.update({f"lcsb/probe/norm_ratio/block_{i:02d}": v for i, v in result.norm_ratio.items()})
+        name = self.controller.unit_name
+        values = {f"lcsb/probe/cos/{name(i)}": v for i, v in result.cosine.items()}
+        values.update({f"lcsb/probe/norm_ratio/{name(i)}": v for i, v in result.norm_ratio.items()})
         if values:
             pl_module.log_dict(values, on_step=True, on_epoch=False)
         self._log_image(trainer, "lcsb/probe", probe_image(list(self.probe_results)[-64:], self.num_blocks), trainer.global_step)
@@ -346,6 +347,13 @@ class LCSBCallback(FitScopedCallback):
         assert self.controller is not None
         self.controller.load_state_dict(state)
         self._history = [tuple(s) for s in state["history"]]
+
+
+def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
+    """The loss of ``training_step`` run once more, in the training's precision, with its logging off."""
+    with _logging_suppressed(pl_module), trainer.precision_plugin.train_step_context():
+        out = pl_module.training_step(batch, batch_idx)
+    return out["loss"] if isinstance(out, dict) else out
 
 
 class _logging_suppressed:

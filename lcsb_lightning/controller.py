@@ -94,6 +94,12 @@ class LCSBController:
                 "identity" if backward == "identity" else "selected_only",
             )
 
+    def unit_name(self, index: int) -> str:
+        """The name of unit ``index`` in logged metrics: ``block_NN``, or ``attn_NN`` / ``mlp_NN`` for sublayers."""
+        if self.sublayers:
+            return f"{'attn' if index % 2 == 0 else 'mlp'}_{index // 2:02d}"
+        return f"block_{index:02d}"
+
     @property
     def num_blocks(self) -> int:
         return self.block_params.num_blocks

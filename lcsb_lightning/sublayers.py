@@ -88,7 +88,8 @@ def sublayer_flops(sublayer: nn.Module, seq_len: int, attention: bool) -> float:
     for module in sublayer.modules():
         if any(True for _ in module.children()):
             continue  # count leaves only: a peft LoRA layer's base and adapters are its children
-        in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        in_features = getattr(module, "in_features", getattr(module, "nx", None))  # nx, nf: GPT-2's Conv1D
+        out_features = getattr(module, "out_features", getattr(module, "nf", None))
         if isinstance(in_features, int) and isinstance(out_features, int):
             total += in_features * out_features
             width = max(width, in_features)
@@ -187,26 +188,34 @@ def measure_sensitivity(
 ) -> list[float]:
     """DropBP's sensitivity of each unit: ``sum over parameters of (|g| - |g_without_unit|)^2``, where ``g`` is
     the exact gradient of ``loss_fn()`` and ``g_without_unit`` its gradient with only that unit dropped (one
-    forward and backward per unit, plus one). ``.grad`` is left untouched and the selection restored."""
+    forward and backward per unit, plus one). Every pass sees the same random draws (dropout), as DropBP seeds
+    each alike, so that a sensitivity is what the unit's drop changes and not the noise between two masks; the
+    caller's random streams (CPU and CUDA), ``.grad`` and the selection are left as they were."""
     flat = [p for params in params_per_unit for p in params if p.requires_grad]
     if not flat:
         return [0.0] * len(params_per_unit)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
     def norms(dropped: int | None) -> torch.Tensor:
+        torch.set_rng_state(cpu_state)
+        for device, state in zip(devices, cuda_states):
+            torch.cuda.set_rng_state(state, device)
         drop.set_selection(i for i in range(len(params_per_unit)) if i != dropped)
         with torch.enable_grad():
             grads = torch.autograd.grad(loss_fn(), flat, allow_unused=True)
         return torch.stack([torch.zeros(()) if g is None else g.detach().float().norm().cpu() for g in grads])
 
     previous = drop.selected
-    try:
-        reference = norms(None)
-        return [float(((reference - norms(unit)) ** 2).sum()) for unit in range(len(params_per_unit))]
-    finally:
-        if previous is None:
-            drop.clear()
-        else:
-            drop.set_selection(previous)
+    with torch.random.fork_rng(devices=devices):
+        cpu_state, cuda_states = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        try:
+            reference = norms(None)
+            return [float(((reference - norms(unit)) ** 2).sum()) for unit in range(len(params_per_unit))]
+        finally:
+            if previous is None:
+                drop.clear()
+            else:
+                drop.set_selection(previous)
 
 
 def first_example(batch: Any) -> Any:

@@ -199,8 +199,6 @@ def test_allocation_errors() -> None:
         ({"allocation": "sensitivity", "drop_rate": 0.95}, r"must be <= 0.9"),
         ({"sensitivity_at": 1.0}, r"`sensitivity_at` must be in \[0, 1\), got 1.0"),
         ({"switch_every": 0}, r"`switch_every` must be an integer >= 1, got 0"),
-        ({"layers_per_step": 2}, r"`layers_per_step=2` sizes a block policy; DropBPPolicy drops sublayers at `drop_rate`"),
-        ({"fraction": 0.25}, r"`fraction=0.25` sizes a block policy"),
     ],
 )
 def test_policy_errors(kwargs: dict[str, Any], match: str) -> None:
@@ -211,7 +209,7 @@ def test_policy_errors(kwargs: dict[str, Any], match: str) -> None:
 def test_the_callback_builds_dropbp_by_name() -> None:
     callback = LCSBCallback("dropbp", seed=2)
     assert isinstance(callback.policy, DropBPPolicy) and callback.policy.seed == 2 and callback.policy.drop_rate == 0.5
-    with pytest.raises(ValueError, match=r"`layers_per_step=4` sizes a block policy"):
+    with pytest.raises(ValueError, match=r"`layers_per_step=4` sizes the policies .*; 'dropbp' takes none"):
         LCSBCallback("dropbp", layers_per_step=4)
 
 
@@ -348,3 +346,103 @@ def test_under_quantized_mebp_the_gradients_are_dropbps_too() -> None:
                 assert grads[name] is not None and not grads[name].any(), name
             else:
                 torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_every_sensitivity_pass_sees_the_same_random_draws_and_the_training_stream_is_left_alone() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.5, init_lora_weights="gaussian", target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    model.train()  # the LoRA dropout is active
+    mapped = sublayer_params(map_trainable_params(model))
+    drop = SublayerDrop(mapped.blocks, mapped.params_per_block)
+    torch.manual_seed(3)
+    first = measure_sensitivity(lambda: _loss(model), drop, mapped.params_per_block)
+    after_first = torch.rand(4)
+    torch.manual_seed(3)
+    assert measure_sensitivity(lambda: _loss(model), drop, mapped.params_per_block) == first
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(4), after_first)  # measuring drew nothing from the training's stream
+    # DropBP seeds every pass alike: a unit's sensitivity is the change its drop makes, not the dropout's noise
+    flat = [p for ps in mapped.params_per_block for p in ps]
+
+    def norms(dropped: int | None) -> list[torch.Tensor]:
+        drop.set_selection(i for i in range(4) if i != dropped)
+        torch.manual_seed(3)
+        return [g.norm() for g in torch.autograd.grad(_loss(model), flat)]
+
+    reference, without = norms(None), norms(2)
+    drop.remove()
+    assert first[2] == pytest.approx(float(sum((a - b) ** 2 for a, b in zip(reference, without))), rel=1e-5)
+
+
+def test_sublayer_flops_count_gpt2s_conv1d_layers() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=16, vocab_size=64))
+    attention, mlp = find_sublayers(model.transformer.h[0])
+    assert sublayer_flops(mlp, seq_len=8, attention=False) == 2 * 32 * 128  # c_fc 32x128, c_proj 128x32
+    assert sublayer_flops(attention, seq_len=8, attention=True) == 32 * 96 + 32 * 32 + 2 * 8 * 32
+
+
+def _fit_dropbp(tmp_path: Any, policy: DropBPPolicy, *callbacks: Callback, module: TokenLM | None = None,
+                **trainer_kwargs: Any) -> tuple[TokenLM, Trainer]:
+    module = module or TokenLM(tiny_llama_peft(num_layers=NUM_BLOCKS), lr=0.02)
+    trainer = Trainer(callbacks=[LCSBCallback(policy), *callbacks], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                      **{"max_steps": 6, **trainer_kwargs})
+    trainer.fit(module, token_batches(num_batches=4, vocab=64))
+    return module, trainer
+
+
+def test_a_state_restored_after_fit_start_is_not_measured_again(tmp_path: Any) -> None:
+    """FSDP and ModelParallelStrategy restore a checkpoint after the callbacks' on_fit_start."""
+    rates = [0.9, 0.1, 0.9, 0.1, 0.5, 0.5, 0.0, 0.9]
+    policy = DropBPPolicy(allocation="sensitivity", seed=0)
+
+    class RestoreLate(Callback):
+        def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+            lcsb = trainer.callbacks[0]
+            state = lcsb.state_dict()
+            state["policy"] = {**state["policy"], "rates": rates, "allocated": True}
+            lcsb.load_state_dict(state)
+
+    module, _ = _fit_dropbp(tmp_path, policy, RestoreLate())
+    assert policy.rates == rates and len(module.losses) == 6  # no measurement: 6 training forwards only
+
+
+def test_sensitivity_allocation_in_a_run_of_unknown_length_is_refused_at_fit_start(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"allocation='sensitivity'.*after `sensitivity_at=0.1` of the run's steps.*"
+                                         r"set `max_steps`"):
+        _fit_dropbp(tmp_path, DropBPPolicy(allocation="sensitivity"), max_steps=-1, max_epochs=-1)
+
+
+class _AutocastLM(TokenLM):
+    """Records, at each forward of its training step, whether CPU autocast is on."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_llama_peft(num_layers=NUM_BLOCKS), lr=0.02)
+        self.autocast: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_sensitivity_is_measured_in_the_training_precision(tmp_path: Any) -> None:
+    module, _ = _fit_dropbp(tmp_path, DropBPPolicy(allocation="sensitivity", seed=0), module=_AutocastLM(),
+                            max_steps=3, precision="bf16-mixed")
+    assert len(module.autocast) == 3 + 2 * NUM_BLOCKS + 1 and all(module.autocast)
+
+
+def test_sublayer_metrics_are_named_by_sublayer(tmp_path: Any) -> None:
+    _, trainer = _fit_dropbp(tmp_path, DropBPPolicy(drop_rate=0.5, seed=0), max_steps=2)
+    names = [k.split("/")[-1] for k in trainer.logged_metrics if k.startswith("lcsb/grad_norm/")]
+    assert names and all(n[:5] == "attn_" or n[:4] == "mlp_" for n in names)
+    assert set(names) <= {f"{kind}_{b:02d}" for kind in ("attn", "mlp") for b in range(NUM_BLOCKS)}
