@@ -193,3 +193,52 @@ def test_a_runs_recorded_step_time_is_its_mean_not_its_median_step() -> None:
     times = [sum(per_step[: i + 1]) for i in range(len(per_step))]
     (phase,) = recorded_step_time({"curves": {"train_seconds": times}}).phases
     assert phase == (None, pytest.approx((sum(cycle) * 6 - 3.0) / 47))  # 1.367 s; the median step: 1.0 s
+
+
+# full backprop at a second learning rate: it ends lower (1.8 against 2.0), so it is the baseline of the sweep
+FULL_LR = _result("full_lr", "full_lr", {0: 4.0, 25: 2.8, 50: 2.3, 75: 2.0, 100: 1.8}, 2.0)
+
+
+def test_with_a_baseline_sweep_every_arm_is_measured_against_the_best_full_backprop() -> None:
+    from lcsb_lightning.bench.time_to_quality import best_of_sweep
+
+    swept = best_of_sweep([FULL, FULL_LR, FAST, FAST_WALLCLOCK], ["full_lr"])
+    assert [r["baseline"] for r in swept] == ["full_lr", None, "full_lr", "full_lr"]
+    assert FULL["baseline"] is None and FAST["baseline"] == "full"  # the inputs are left as they were
+    rows = {r["arm"]: r for r in time_to_quality_rows(swept)}
+    # target 4.0 - 0.9 * (4.0 - 1.8) = 2.02; full_lr reaches it at step 75 - 25 * (0.02 / 0.3) = 73.33 (146.67 s)
+    assert {r["baseline"] for r in rows.values()} == {"full_lr"}
+    assert rows["full_lr"]["target_loss"] == pytest.approx(2.02) and rows["full_lr"]["ratio_to_full"] == pytest.approx(1.0)
+    assert rows["full_lr"]["reach_seconds"] == pytest.approx(146.6667, rel=1e-4)
+    # the other learning rate: 2.2 at step 75, 2.0 at 100 -> step 97.5, 195 s
+    assert rows["full"]["ratio_to_full"] == pytest.approx(195.0 / 146.6667, rel=1e-4)
+    assert rows["fast"]["reach_seconds"] is None and rows["fast"]["full_final_loss"] == pytest.approx(1.8)
+    assert rows["fast"]["loss_at_full_wallclock"] == pytest.approx(2.1)  # its twin, as before
+    # without a sweep (or when the baseline ends lowest) nothing changes
+    assert best_of_sweep([FULL, FAST], []) == [FULL, FAST]
+    worse = _result("full_lr", "full_lr", {0: 4.0, 100: 2.5}, 2.0)
+    assert [r["baseline"] for r in best_of_sweep([FULL, worse, FAST], ["full_lr"])] == [None, "full", "full"]
+    text = report.markdown({"time_to_quality": list(rows.values())}, {"name": "t"})
+    assert "| wikitext2 | fast | full_lr |" in text
+
+
+@pytest.mark.parametrize("sweep", [["nope"], ["full"]])
+def test_a_baseline_sweep_of_arms_without_a_baseline_is_refused_before_any_run(sweep: list[str]) -> None:
+    bench = {"studies": ["quality"], "quality": {"model": "tiny", "tasks": ["pydoc"], "seed": 0, "steps": 2,
+                                                  "baseline_sweep": sweep,
+                                                  "arms": {"full": {"overrides": []},
+                                                           "full_lr": {"baseline": "full", "overrides": []}}}}
+    with pytest.raises(ValueError, match=f"baseline_sweep names '{sweep[0]}'.*allowed: \\['full_lr'\\]"):
+        validate(bench)
+
+
+def test_a_twin_is_read_at_the_chosen_baselines_wall_clock_and_a_diverged_full_is_never_the_best() -> None:
+    from lcsb_lightning.bench.time_to_quality import best_of_sweep
+
+    # the twin was sized to full's 200 s; full_lr, the best, took 180 s: its loss there is read off the twin's curve
+    quick = _result("full_lr", "full_lr", {0: 4.0, 25: 2.8, 50: 2.3, 75: 2.0, 90: 1.8}, 2.0)
+    rows = {r["arm"]: r for r in time_to_quality_rows(best_of_sweep([FULL, quick, FAST, FAST_WALLCLOCK], ["full_lr"]))}
+    assert rows["fast"]["baseline"] == "full_lr"
+    assert rows["fast"]["loss_at_full_wallclock"] == pytest.approx(2.4 - 0.3 * 80 / 100)  # at 180 s, not its 200 s
+    diverged = _result("full", "full", {0: 4.0, 50: 3.0, 100: float("nan")}, 2.0, baseline=None)
+    assert [r["baseline"] for r in best_of_sweep([diverged, FULL_LR], ["full_lr"])] == ["full_lr", None]

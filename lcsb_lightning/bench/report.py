@@ -245,11 +245,12 @@ def _time_to_quality_section(rows: Sequence[Row]) -> list[str]:
             "step time up to the target over full backprop's). "
             "At full backprop's wall-clock: the final eval loss of the arm's equal-wall-clock run (its schedule fitted "
             "to that time), or read off its equal-steps curve where it has none. Reached in: the equal-steps run, or "
-            "the equal-wall-clock run (own schedule) where the equal steps did not reach the target.", "",
-            table(["task", "arm", "eval loss start -> target", "steps to target", "time to target (s)",
+            "the equal-wall-clock run (own schedule) where the equal steps did not reach the target. Against: the "
+            "baseline of the row; with a baseline_sweep, the lowest final eval loss of the baseline and the swept arms.", "",
+            table(["task", "arm", "against", "eval loss start -> target", "steps to target", "time to target (s)",
                    "ratio to full", "steps ratio", "step-time ratio", "eval loss at full's wall-clock (full's final)",
                    "from", "reached in", "evaluations"],
-                  [[r["task"], r["arm"], f"{_f(r['initial_loss'])} -> {_f(r['target_loss'])}", _f(r["reach_step"], ".0f"),
+                  [[r["task"], r["arm"], r["baseline"], f"{_f(r['initial_loss'])} -> {_f(r['target_loss'])}", _f(r["reach_step"], ".0f"),
                     _f(r["reach_seconds"], ".0f"), f"**{_f(r['ratio_to_full'], '.2f', 'x')}**",
                     _f(r.get("steps_ratio"), ".2f", "x"), _f(r.get("step_time_ratio"), ".2f", "x"),
                     f"{_f(r['loss_at_full_wallclock'])} ({_f(r['full_final_loss'])})", r["at_full_wallclock_from"],

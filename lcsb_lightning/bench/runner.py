@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench import cost_model, plots, report
 from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
 from lcsb_lightning.bench.time_to_quality import (
-    StepTime, elapsed, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within, time_to_quality_rows,
-    timed_as_step_times,
+    StepTime, best_of_sweep, elapsed, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within,
+    time_to_quality_rows, timed_as_step_times,
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
@@ -72,7 +72,17 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
         raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
     if "quality" in arms:
         _check_timed_as(bench["quality"].get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
+        _check_baseline_sweep(bench["quality"])
     return arms
+
+
+def _check_baseline_sweep(quality: Mapping[str, Any]) -> None:
+    sweep, arms = quality.get("baseline_sweep") or [], quality.get("arms") or {}
+    swept = sorted(name for name, arm in arms.items() if arm.get("baseline") is not None)
+    for name in sweep:
+        if name not in swept:
+            raise ValueError(f"benchmark.quality.baseline_sweep names {name!r}, which is not a quality arm with a "
+                             f"baseline; allowed: {swept}")
 
 
 def _check_timed_as(arms: Mapping[str, Any], timed_arms: Mapping[str, Any]) -> None:
@@ -323,9 +333,10 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         tables["recipe_speed"] = report.recipe_speed_rows(res)
     if tables.get("_quality_raw"):
         q, seconds = bench.get("quality") or {}, step_times(tables, bench)
-        tables["time_to_quality"] = time_to_quality_rows(tables["_quality_raw"], seconds, float(q.get("target_share", 0.9)))
+        raw = best_of_sweep(tables["_quality_raw"], list(q.get("baseline_sweep") or []))
+        tables["time_to_quality"] = time_to_quality_rows(raw, seconds, float(q.get("target_share", 0.9)))
         if q.get("other_shares"):
-            tables["time_to_quality_by_share"] = ratios_by_share(tables["_quality_raw"], seconds, list(q["other_shares"]))
+            tables["time_to_quality_by_share"] = ratios_by_share(raw, seconds, list(q["other_shares"]))
         if q.get("steps_per_epoch"):
             tables["step_time_by_epoch"] = step_time_by_epoch(tables["_quality_raw"], int(q["steps_per_epoch"]))
     if "speed" in arms:

@@ -160,6 +160,40 @@ def loss_at(curve: Sequence[Point], seconds: float) -> float | None:
     return None
 
 
+def best_of_sweep(results: Sequence[Mapping[str, Any]], candidates: Sequence[str]) -> list[Row]:
+    """``results`` with each task's baseline the best of a sweep: of the baseline arm and the ``candidates`` arms
+    (full backprop at other learning rates, say), the equal-steps run with the lowest final eval loss becomes
+    every run's baseline in that task, so that time to quality is measured against the best full backprop of
+    the sweep, not one setting of it. Runs are copied; without ``candidates`` they are returned as they are.
+
+    Example::
+
+        >>> def run(arm, base, final):
+        ...     return {"name": arm, "baseline": base, "labels": {"task": "t", "arm": arm, "run": "steps"},
+        ...             "eval_at_steps": {"0": {"val/loss": 4.0}, "9": {"val/loss": final}}}
+        >>> swept = best_of_sweep([run("full", None, 3.0), run("full_lr", "full", 2.8), run("fast", "full", 2.9)],
+        ...                       ["full_lr"])
+        >>> [(r["name"], r["baseline"]) for r in swept]
+        [('full', 'full_lr'), ('full_lr', None), ('fast', 'full_lr')]
+    """
+    out = [dict(r) for r in results]
+    if not candidates:
+        return out
+    for task in dict.fromkeys(r["labels"]["task"] for r in out):
+        runs = [r for r in out if r["labels"]["task"] == task and r["labels"].get("run", "steps") == "steps"]
+        base_names = {r["baseline"] for r in runs if r["labels"]["arm"] in candidates and r["baseline"]}
+        sweep = [r for r in runs if r["name"] in base_names or r["labels"]["arm"] in candidates]
+        finals = [(curve[-1][2], r["name"]) for r in sweep if (curve := eval_curve(r, 1.0)) and math.isfinite(curve[-1][2])]
+        if not finals:
+            continue
+        best = min(finals)[1]
+        for r in out:
+            in_sweep = r["name"] in base_names or r["labels"]["arm"] in candidates
+            if r["labels"]["task"] == task and (in_sweep or r["baseline"] in base_names):
+                r["baseline"] = None if r["name"] == best else best
+    return out
+
+
 def time_to_quality_rows(
     results: Sequence[Mapping[str, Any]],
     step_seconds: Mapping[tuple[str, str], StepTime] | None = None,
@@ -211,13 +245,20 @@ def time_to_quality_rows(
             "reached_in": None if arm_reach is None else reached_in,
             "ratio_to_full": (arm_reach[1] / base_reach[1]) if arm_reach and base_reach and base_reach[1] > 0 else None,
             **_ratio_factors(arm_reach, base_reach),
-            "loss_at_full_wallclock": twin_curve[-1][2] if twin_curve else (
+            "loss_at_full_wallclock": _twin_loss_at(twin_curve, full_seconds) if twin_curve else (
                 full_final if r["name"] == base["name"] else loss_at(curve, full_seconds)),
             "at_full_wallclock_from": "own schedule" if twin_curve or r["name"] == base["name"] else "equal-steps curve",
             "full_final_loss": full_final,
             "eval_points": len(curve),
         })
     return rows
+
+
+def _twin_loss_at(twin_curve: Sequence[Point], seconds: float) -> float:
+    """An equal-wall-clock twin's eval loss at the baseline's wall-clock: read off its curve (a baseline chosen by
+    ``best_of_sweep`` may have taken a little less time than the one the twin was sized to), else its final loss."""
+    at = loss_at(twin_curve, seconds)
+    return twin_curve[-1][2] if at is None else at
 
 
 def _ratio_factors(arm_reach: tuple[float, float] | None, base_reach: tuple[float, float] | None) -> Row:
