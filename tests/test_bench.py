@@ -493,6 +493,31 @@ def test_recipe_speed_times_every_step_of_a_cycle_after_a_warm_up(tmp_path: Path
         assert timing["arms"][name]["total"] == pytest.approx(sum(means) / 2)
 
 
+def test_recipe_speed_gives_arms_that_build_different_models_their_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QuantizedMeBP compresses the model it trains in place: a float arm timed after an int4 arm on a shared
+    model timed the compressed one (a float32 step 2.4x slower in the second round)."""
+    from lcsb_lightning.bench import recipe_speed
+    from lcsb_lightning.mebp import mebp_state
+    from lcsb_lightning.recipes import train
+
+    prepared: list[Any] = []
+    real_prepare = train.prepare
+
+    def recording_prepare(cfg: Any) -> Any:
+        prepared.append(real_prepare(cfg))
+        return prepared[-1]
+
+    monkeypatch.setattr(train, "prepare", recording_prepare)
+    with finetune_composer() as compose_ft:
+        recipe_speed.time_task(
+            "pydoc", {"float": ["policy=full"], "int4": ["policy=full", "mebp=int4"], "dyadic": ["policy=dyadic"]},
+            ["model=tiny", "seq_len=32", "task.max_train_examples=64"],
+            compose_ft, rounds=2, steps_per_round=4, out_dir=str(tmp_path))
+    assert [mebp_state(p.module) is None for p in prepared] == [True, False]  # float and dyadic share one model
+
+
 @pytest.mark.parametrize(
     ("times", "cycle", "expected"),
     [

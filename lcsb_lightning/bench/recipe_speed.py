@@ -1,6 +1,7 @@
 """Step time inside the recipe's own training loop, per phase, the arms alternating in one process.
 
-For each task the model, data and ``CausalLMModule`` are built once; then, round after round, every
+For each task the model, data and ``CausalLMModule`` are built once (once per distinct model where arms
+differ in what builds it, :func:`model_key`: the model, LoRA, optimizer, ``mebp`` or data); then, round after round, every
 arm fine-tunes ``steps_per_round`` optimizer steps through a fresh ``Trainer`` configured exactly as
 ``lcsb-finetune`` configures it (its callbacks, logger, gradient clipping, logging interval), so a
 drift of the machine hits all arms alike. Every fit starts at epoch 0 of the recipe's seeded,
@@ -27,6 +28,7 @@ to the end of ``training_step``, i.e. the head, the loss and the ``self.log`` ca
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.validation import check_int
 
@@ -182,6 +184,16 @@ def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> Non
             )
 
 
+#: The config entries that decide the model, its LoRA and optimizer, its 4-bit conversion and the training data.
+MODEL_KEYS = ("seed", "data_dir", "seq_len", "batch_size", "model", "task", "lora", "module", "mebp")
+
+
+def model_key(cfg: DictConfig) -> str:
+    """What an arm's model and data are built from: arms with the same key can share them."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return json.dumps({key: resolved.get(key) for key in MODEL_KEYS}, sort_keys=True, default=str)
+
+
 def time_task(
     task: str, arms: Mapping[str, Sequence[str]], common: Sequence[str], compose: Any, rounds: int, steps_per_round: int,
     out_dir: Any,
@@ -209,9 +221,13 @@ def time_task(
                               "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0"])
                for name, overrides in arms.items()}
     check_whole_cycles({name: build_group(cfg, "policy") for name, cfg in configs.items()}, steps_per_round)
-    base_cfg: DictConfig = compose([*common, f"task={task}"])
-    prepared = prepare(base_cfg)
-    train_loader, _ = make_loaders(prepared.data, base_cfg, prepared.bundle.tokenizer)
+    # Arms share a model only where they would build the same one: QuantizedMeBP compresses the model it
+    # trains in place, so a float arm must never run on the model an int4 arm has trained.
+    models: dict[str, tuple[Any, Any]] = {}
+    for cfg in configs.values():
+        if (key := model_key(cfg)) not in models:
+            prepared = prepare(cfg)
+            models[key] = (prepared.module, make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)[0])
     raw: dict[str, list[list[dict[str, float]]]] = {name: [] for name in arms}
     load_before = list(os.getloadavg())
     for round_index in range(rounds):
@@ -220,7 +236,7 @@ def time_task(
             trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
             timer.wrap_clipping(trainer)
             try:
-                trainer.fit(prepared.module, train_loader)
+                trainer.fit(*models[model_key(cfg)])
             finally:
                 timer.remove_hooks()
                 timer.unwrap_clipping(trainer)
