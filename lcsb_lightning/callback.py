@@ -181,8 +181,8 @@ class LCSBCallback(FitScopedCallback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _check_strategy(trainer)
-        total_steps = trainer.estimated_stepping_batches
         measures = isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity
+        total_steps = trainer.estimated_stepping_batches if measures else math.inf  # it sets up the data: only if needed
         if measures and not (math.isfinite(total_steps) and total_steps >= 1):
             raise ValueError(
                 f"{self.policy!r} with allocation='sensitivity' measures after `sensitivity_at="
