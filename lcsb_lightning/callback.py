@@ -181,14 +181,7 @@ class LCSBCallback(FitScopedCallback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _check_strategy(trainer)
-        measures = isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity
-        total_steps = trainer.estimated_stepping_batches if measures else math.inf  # it sets up the data: only if needed
-        if measures and not (math.isfinite(total_steps) and total_steps >= 1):
-            raise ValueError(
-                f"{self.policy!r} with allocation='sensitivity' measures after `sensitivity_at="
-                f"{self.policy.sensitivity_at}` of the run's steps, and this run's length is unknown "
-                f"(estimated_stepping_batches={total_steps}): set `max_steps`."
-            )
+        sensitivity_step = self._sensitivity_step_of(trainer)
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.unreached, self.blocks)
@@ -221,7 +214,7 @@ class LCSBCallback(FitScopedCallback):
                 f"them (on the others: unreached={self.unreached}), those above it (the head, "
                 "the final norm) at every step."
             )
-        self._sensitivity_step = self.policy.sensitivity_step(int(total_steps)) if measures else None
+        self._sensitivity_step = sensitivity_step
         units = "sublayers" if self.controller.sublayers else "blocks"
         rank_zero_info(
             f"LCSB: {self.policy!r} over {self.num_blocks} {units}, "
@@ -257,8 +250,30 @@ class LCSBCallback(FitScopedCallback):
         if self._sensitivity_step is not None and trainer.global_step >= self._sensitivity_step:
             self._sensitivity_step = None
             # FSDP and ModelParallelStrategy restore a checkpoint after on_fit_start: its rates may be in by now
-            if isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity:
+            if self._measures_sensitivity:
                 self._allocate_by_sensitivity(trainer, pl_module, batch, batch_idx)
+
+    @property
+    def _measures_sensitivity(self) -> bool:
+        return isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity
+
+    def _sensitivity_step_of(self, trainer: Trainer) -> int | None:
+        """The optimizer step after which DropBP's sensitivity is measured; None where the policy measures none.
+
+        Raises:
+            ValueError: the run's length is unknown (no ``max_steps``, an iterable data set).
+        """
+        if not self._measures_sensitivity:
+            return None  # estimated_stepping_batches sets up the training data: asked only when needed
+        assert isinstance(self.policy, DropBPPolicy)
+        total_steps = trainer.estimated_stepping_batches
+        if not (math.isfinite(total_steps) and total_steps >= 1):
+            raise ValueError(
+                f"{self.policy!r} with allocation='sensitivity' measures after `sensitivity_at="
+                f"{self.policy.sensitivity_at}` of the run's steps, and this run's length is unknown "
+                f"(estimated_stepping_batches={total_steps}): set `max_steps`."
+            )
+        return self.policy.sensitivity_step(int(total_steps))
 
     def _allocate_by_sensitivity(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """DropBP's allocation: each sublayer's sensitivity on one example of ``batch``, averaged over the processes

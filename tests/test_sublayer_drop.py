@@ -349,16 +349,7 @@ def test_under_quantized_mebp_the_gradients_are_dropbps_too() -> None:
 
 
 def test_every_sensitivity_pass_sees_the_same_random_draws_and_the_training_stream_is_left_alone() -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    model = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.5, init_lora_weights="gaussian", target_modules="all-linear"))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.02)
+    model = tiny_llama_peft(num_layers=2, lora_dropout=0.5)
     model.train()  # the LoRA dropout is active
     mapped = sublayer_params(map_trainable_params(model))
     drop = SublayerDrop(mapped.blocks, mapped.params_per_block)

@@ -223,11 +223,13 @@ def time_task(
     check_whole_cycles({name: build_group(cfg, "policy") for name, cfg in configs.items()}, steps_per_round)
     # Arms share a model only where they would build the same one: QuantizedMeBP compresses the model it
     # trains in place, so a float arm must never run on the model an int4 arm has trained.
-    models: dict[str, tuple[Any, Any]] = {}
-    for cfg in configs.values():
+    models: dict[str, tuple[Any, Any]] = {}  # model_key -> (module, training loader)
+    fit_args: dict[str, tuple[Any, Any]] = {}
+    for name, cfg in configs.items():
         if (key := model_key(cfg)) not in models:
             prepared = prepare(cfg)
             models[key] = (prepared.module, make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)[0])
+        fit_args[name] = models[key]
     raw: dict[str, list[list[dict[str, float]]]] = {name: [] for name in arms}
     load_before = list(os.getloadavg())
     for round_index in range(rounds):
@@ -236,7 +238,7 @@ def time_task(
             trainer, _ = build_trainer(cfg, f"{out_dir}/{name}", [timer])
             timer.wrap_clipping(trainer)
             try:
-                trainer.fit(*models[model_key(cfg)])
+                trainer.fit(*fit_args[name])
             finally:
                 timer.remove_hooks()
                 timer.unwrap_clipping(trainer)

@@ -182,14 +182,17 @@ def best_of_sweep(results: Sequence[Mapping[str, Any]], candidates: Sequence[str
     for task in dict.fromkeys(r["labels"]["task"] for r in out):
         runs = [r for r in out if r["labels"]["task"] == task and r["labels"].get("run", "steps") == "steps"]
         base_names = {r["baseline"] for r in runs if r["labels"]["arm"] in candidates and r["baseline"]}
-        sweep = [r for r in runs if r["name"] in base_names or r["labels"]["arm"] in candidates]
-        finals = [(curve[-1][2], r["name"]) for r in sweep if (curve := eval_curve(r, 1.0)) and math.isfinite(curve[-1][2])]
+
+        def in_sweep(r: Mapping[str, Any]) -> bool:
+            return r["name"] in base_names or r["labels"]["arm"] in candidates
+
+        finals = [(curve[-1][2], r["name"]) for r in runs
+                  if in_sweep(r) and (curve := eval_curve(r, 1.0)) and math.isfinite(curve[-1][2])]
         if not finals:
             continue
         best = min(finals)[1]
         for r in out:
-            in_sweep = r["name"] in base_names or r["labels"]["arm"] in candidates
-            if r["labels"]["task"] == task and (in_sweep or r["baseline"] in base_names):
+            if r["labels"]["task"] == task and (in_sweep(r) or r["baseline"] in base_names):
                 r["baseline"] = None if r["name"] == best else best
     return out
 

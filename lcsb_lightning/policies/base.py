@@ -50,10 +50,10 @@ class SelectionPolicy(ABC):
         switch_every: int = 1,
         seed: int = 0,
     ) -> None:
-        if not self.needs_size:
-            for name, value in (("layers_per_step", layers_per_step), ("fraction", fraction)):
-                if value is not None:
-                    raise ValueError(f"{type(self).__name__} takes no size: `{name}={value!r}`.")
+        sizes = _given_sizes(layers_per_step, fraction)
+        if sizes and not self.needs_size:
+            name, value = next(iter(sizes.items()))
+            raise ValueError(f"{type(self).__name__} takes no size: `{name}={value!r}`.")
         if layers_per_step is not None and fraction is not None:
             raise ValueError(
                 f"Give only one of `layers_per_step` ({layers_per_step}) and `fraction` ({fraction})."
@@ -164,6 +164,11 @@ def register_policy(name: str) -> Callable[[P], P]:
     return decorator
 
 
+def _given_sizes(layers_per_step: int | None, fraction: float | None) -> dict[str, Any]:
+    """The size arguments given (not None), by name."""
+    return {k: v for k, v in (("layers_per_step", layers_per_step), ("fraction", fraction)) if v is not None}
+
+
 def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -179,7 +184,7 @@ def build_policy(
     if name not in _REGISTRY:
         raise ValueError(f"Unknown policy {name!r}; available: {', '.join(available_policies())}.")
     policy_class = _REGISTRY[name]
-    sizes = {k: v for k, v in (("layers_per_step", layers_per_step), ("fraction", fraction)) if v is not None}
+    sizes = _given_sizes(layers_per_step, fraction)
     if sizes and not policy_class.needs_size:
         sized = ", ".join(n for n in available_policies() if _REGISTRY[n].needs_size)
         size, value = next(iter(sizes.items()))
