@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator
+import dataclasses
+from typing import Any, Callable, Generator, Literal, Sequence, get_args
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -27,8 +28,10 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 
 
+_Precision = Literal["32-true", "bf16-mixed"]
 #: The Trainer precisions QuantizedMeBP runs with.
-PRECISIONS = ("32-true", "bf16-mixed")
+PRECISIONS: tuple[str, ...] = get_args(_Precision)
+_FIELDS = frozenset(field.name for field in dataclasses.fields(MeBPConfig))
 
 
 class QuantizedMeBP(Precision):
@@ -53,9 +56,12 @@ class QuantizedMeBP(Precision):
             one converted beforehand.
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
-        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields (``fmt="int4"``, ...): without
-            ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
-            instantiates it).
+        fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
+            keep_recomputed_weights, release_heap, offload_dir, sync_timing: The
+            :class:`~lcsb_lightning.mebp.MeBPConfig` fields (its docstring says what each does and its
+            default): without ``config`` they build one, beside it they override its fields (how the
+            ``mebp`` Hydra group instantiates it). ``None`` (the default) keeps ``config``'s value, or
+            MeBPConfig's default. Explicit keywords so that LightningCLI sees them (``--trainer.plugins.fmt=int4``).
 
     Example::
 
@@ -65,7 +71,25 @@ class QuantizedMeBP(Precision):
 
     precision = "32-true"
 
-    def __init__(self, config: MeBPConfig | None = None, *, precision: str = "32-true", **options: Any) -> None:
+    def __init__(
+        self,
+        config: MeBPConfig | None = None,
+        *,
+        precision: _Precision = "32-true",
+        fmt: Literal["int4", "nf4", "fp4"] | None = None,
+        group_size: int | None = None,
+        checkpoint: bool | None = None,
+        offload: Literal["none", "mmap"] | None = None,
+        compress_embeddings: bool | None = None,
+        ignore_modules: Sequence[str] | None = None,
+        weights: Literal["ram", "mmap"] | None = None,
+        keep_recomputed_weights: bool | None = None,
+        release_heap: bool | None = None,
+        offload_dir: str | None = None,
+        sync_timing: bool | None = None,
+    ) -> None:
+        # The fields by name from the arguments, so that no keyword is forgotten here (a test pins the set).
+        options = {name: value for name, value in locals().items() if name in _FIELDS and value is not None}
         self.config = build_config(config, options, "QuantizedMeBP")
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
