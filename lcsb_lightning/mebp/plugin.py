@@ -57,11 +57,10 @@ class QuantizedMeBP(Precision):
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
         fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
-            keep_recomputed_weights, release_heap, offload_dir, sync_timing: The
-            :class:`~lcsb_lightning.mebp.MeBPConfig` fields (its docstring says what each does and its
-            default): without ``config`` they build one, beside it they override its fields (how the
-            ``mebp`` Hydra group instantiates it). ``None`` (the default) keeps ``config``'s value, or
-            MeBPConfig's default. Explicit keywords so that LightningCLI sees them (``--trainer.plugins.fmt=int4``).
+            keep_recomputed_weights, release_heap, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
+            fields (its docstring has what each does and its default), explicit for LightningCLI: without
+            ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
+            instantiates it); ``None`` keeps the config's value.
 
     Example::
 
