@@ -122,7 +122,7 @@ class _Store:
         # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
         self.previous: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.previous_frozen = 0
-        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output: its type, what follows the hidden states
+        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output type, what follows the hidden
         self.activation_dtype: torch.dtype | None = None
         self.stats = CacheStats()
         self.disabled_reason: str | None = None
