@@ -213,14 +213,14 @@ class ProgressiveFreezing(FitScopedCallback):
         assert self.prefix is not None
         if not self.prefix.frozen:
             return
-        hit = self.prefix.shared.hit is not None
+        hit = self.prefix.hit
         self.prefix.end_batch()
         below = [p for p in self.prefix.params_below if p.requires_grad]
         if below:  # found by the graph, for a model without get_input_embeddings()
             self._freeze_params(below)  # type: ignore[arg-type]
             self.prefix.clear_store()  # computed while they still trained
             if any(p.requires_grad for p in below):
-                self.prefix.shared.disable("a tensor below the first block trains on (tied to the LM head)")
+                self.prefix.disable("a tensor below the first block trains on (tied to the LM head)")
         pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,

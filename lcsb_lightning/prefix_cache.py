@@ -9,16 +9,17 @@ That is the AutoFreeze / Egeria idea for multi-epoch fine-tuning: the first epoc
 the frozen blocks' forward, the later ones pay nothing for them.
 
 An example is known by its tokens: :meth:`FrozenPrefix.set_batch` hashes each row of ``input_ids``
-before the forward pass. A right-padded row (``attention_mask`` ones, then zeros) is stored without
-its padding and padded with zeros when it is replayed, so the same example batched with different
-neighbours (dynamic padding) still hits; the padding positions' hidden states reach no real position
-through a masked attention, and their labels are ignored. The tokens name the example, what block 0
-receives decides: each stored output keeps a probe of block 0's input (per position, the sum of its
-hidden state and its ``position_ids``), and a batch replays only if the live probe equals the stored
-one at every real position, so a ``training_step`` that masks or perturbs the inputs, shifts the
-positions or truncates the rows recomputes. Only the first forward pass after :meth:`~FrozenPrefix.set_batch`
-replays or stores; a second one in the same step, evaluation (a block in ``eval()`` mode) and a
-forward pass with no batch set run the blocks as they are.
+before the forward pass. A right-padded row (``attention_mask`` ones, then zeros) is known by its real tokens
+and stored whole, its padding included, so a loss on the padded positions (``labels=input_ids`` with pad =
+EOS) gets what the frozen blocks compute there, never zeros. It replays in any batch no wider than the one
+it was stored from (under a masked attention no position depends on the padding after it), and a wider batch
+computes it again and stores it wider: with dynamic padding an example hits once seen in its widest batch.
+The tokens name the example, what block 0 receives decides: each stored output keeps a probe of block 0's
+input (per position, the sum of its hidden state and its ``position_ids``), and a batch replays only if
+the live probe equals the stored one at every position, so a ``training_step`` that masks or perturbs the
+inputs, shifts the positions or truncates the rows recomputes. Only the first forward pass after
+:meth:`~FrozenPrefix.set_batch` replays or stores; a second one in the same step, evaluation (a block in
+``eval()`` mode) and a forward pass with no batch set run the blocks as they are.
 
 The stored outputs live in host memory (the accelerator's is for the activations); a replay copies the
 batch's rows back. The prefix must really be frozen: the caller turns ``requires_grad`` off for its
@@ -112,68 +113,65 @@ def _nbytes(entry: tuple[torch.Tensor, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in entry)
 
 
-class _Shared:
-    """What the wrappers of one :class:`FrozenPrefix` share."""
+class _Store:
+    """The outputs kept on the host, within the budget, and how one becomes a block's output again."""
 
-    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int, dtype: torch.dtype | None) -> None:
-        self.blocks = list(blocks)
-        self.frozen = 0
+    def __init__(self, max_bytes: int, dtype: torch.dtype | None) -> None:
         self.max_bytes, self.dtype = max_bytes, dtype
-        self.rows: list[_Row] | None = None  # the current training batch; None: run the blocks as they are
-        self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
-        self.forwards = self.batch_rows = 0  # block 0's forwards since set_batch (the first replays or stores), its rows
-        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see _probe)
-        self.store: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (output, probe) on the host
+        self.entries: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (whole row's output, probe)
         # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
         self.previous: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.previous_frozen = 0
-        self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
-        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output: its type and what follows the hidden states
+        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output type, what follows the hidden
         self.activation_dtype: torch.dtype | None = None
         self.stats = CacheStats()
-        self.below: list[torch.Tensor] = []
         self.disabled_reason: str | None = None
-
-    def active(self, index: int) -> bool:
-        return index < self.frozen and self.rows is not None and self.blocks[index].training
-
-    def named(self) -> bool:
-        """Whether the running forward pass is the one :meth:`FrozenPrefix.set_batch` named the rows of: the first
-        since, and as many rows as named."""
-        return self.forwards == 1 and self.batch_rows == len(self.rows or ())
 
     def rebuild_output(self, hidden: torch.Tensor) -> Any:
         assert self.output_kind is not None
         kind, rest = self.output_kind
         return hidden if kind is torch.Tensor else kind((hidden, *rest))
 
-    def remember(self, output: Any) -> None:
-        """Store the rows of block ``frozen - 1``'s ``output`` that are not stored yet."""
+    def remember(self, rows: list[_Row], probe: torch.Tensor, output: Any) -> None:
+        """Store the rows of block ``frozen - 1``'s ``output``, padding included, that are not stored as wide."""
         hidden = output if isinstance(output, torch.Tensor) else output[0]
         rest = () if isinstance(output, torch.Tensor) else tuple(output[1:])
         if any(isinstance(item, torch.Tensor) for item in rest):
             self.disable("a frozen block returns tensors besides its hidden states (attention weights or a KV cache)")
             return
-        self.output_kind = (type(output), rest)
-        self.activation_dtype = hidden.dtype
-        assert self.rows is not None and self.probe is not None
-        for j, row in enumerate(self.rows):
-            if row.key in self.store:
-                continue
-            old = self.previous.pop(row.key, None)  # superseded: released before its successor is budgeted
-            if old is not None:
-                self.stats.stored_bytes -= _nbytes(old)
-            end = hidden.shape[1] if row.length is None else row.length
-            if end > hidden.shape[1]:
-                continue  # the live rows are shorter than the batch's mask says
-            entry = (hidden[j, :end].detach().to("cpu", self.dtype or hidden.dtype, copy=True),
-                     self.probe[j, :end].clone())
-            if self.stats.stored_bytes + _nbytes(entry) > self.max_bytes:
+        self.output_kind, self.activation_dtype = (type(output), rest), hidden.dtype
+        width = hidden.shape[1]
+        for j, row in enumerate(rows):
+            old = self.entries.get(row.key)
+            if (old is not None and old[0].shape[0] >= width) or (row.length or 0) > width:
+                continue  # stored as wide, or the live row is shorter than the batch's mask says
+            superseded = self.previous.pop(row.key, None)  # released before its successor is budgeted
+            if superseded is not None:
+                self.stats.stored_bytes -= _nbytes(superseded)
+            entry = (hidden[j].detach().to("cpu", self.dtype or hidden.dtype, copy=True), probe[j].clone())
+            freed = _nbytes(old) if old is not None else 0
+            if self.stats.stored_bytes - freed + _nbytes(entry) > self.max_bytes:
                 self.stats.dropped_examples += 1
                 continue
-            self.store[row.key] = entry
-            self.stats.stored_examples += 1
-            self.stats.stored_bytes += _nbytes(entry)
+            self.entries[row.key] = entry
+            self.stats.stored_examples += old is None
+            self.stats.stored_bytes += _nbytes(entry) - freed
+
+    def assemble(self, store: dict[bytes, tuple[torch.Tensor, torch.Tensor]], rows: list[_Row],
+                 probe: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """The stored output of every row of the batch, cut to the live width; None if one is missing or
+        narrower than the batch, or if its stored probe is not the live one (another input reaches block 0)."""
+        entries = [store.get(row.key) for row in rows]
+        if not entries or any(entry is None for entry in entries):
+            return None
+        width = probe.shape[1]
+        for row, (value, stored), live in zip(rows, entries, probe):  # type: ignore[misc]
+            # a right-padded row hits in any batch as wide as its real part, a whole-row key only as wide as stored
+            narrowest = value.shape[0] if row.length is None else row.length
+            if not narrowest <= width <= value.shape[0] or not torch.equal(stored[:width], live):
+                return None
+        out = torch.stack([value[:width] for value, _ in entries])  # type: ignore[index]
+        return out.to(device=device, dtype=self.activation_dtype)
 
     def disable(self, reason: str) -> None:
         if self.disabled_reason is None and self.max_bytes > 0:
@@ -183,32 +181,46 @@ class _Shared:
         self.clear()
 
     def clear(self) -> None:
-        self.store, self.previous, self.previous_frozen, self.hit, self.seed = {}, {}, 0, None, None
+        self.entries, self.previous, self.previous_frozen = {}, {}, 0
         self.stats.stored_examples = self.stats.stored_bytes = 0
 
-    def grow(self, num_blocks: int) -> None:
-        """Freeze ``num_blocks > frozen`` blocks: the outputs stored so far become where the next ones start."""
-        previous = self.store
+    def grow(self, frozen: int) -> None:
+        """The freeze grows from ``frozen`` blocks: the outputs stored so far become where the next ones start."""
+        previous = self.entries
         self.clear()
-        self.previous, self.previous_frozen = previous, self.frozen
+        self.previous, self.previous_frozen = previous, frozen
         self.stats.stored_bytes = sum(_nbytes(entry) for entry in previous.values())
-        self.frozen = num_blocks
 
-    def assemble(self, like: torch.Tensor, store: dict[bytes, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The stored output of every row of the batch, padded to ``like``'s shape; None if one is missing, or
-        if a row's stored probe is not the live one (another input than the stored example's reaches block 0)."""
-        assert self.rows is not None and self.probe is not None
-        entries = [store.get(row.key) for row in self.rows]
-        if not store or any(entry is None for entry in entries):
-            return None
-        probes = zip((entry[1] for entry in entries if entry is not None), self.probe)
-        if not all(torch.equal(stored, live[: stored.shape[0]]) for stored, live in probes):
-            return None  # another input reaches block 0, or a row cut shorter
-        out = torch.zeros(like.shape[0], like.shape[1], *entries[0][0].shape[1:], dtype=self.activation_dtype,
-                          device=like.device)
-        for j, (value, _) in enumerate(entries):  # type: ignore[misc]
-            out[j, : value.shape[0]] = value.to(device=like.device, dtype=self.activation_dtype)
-        return out
+
+class _Batch:
+    """The current training batch: whether its first forward replays the stored outputs, is seeded by the
+    previous ones or computes (and stores)."""
+
+    def __init__(self, rows: list[_Row]) -> None:
+        self.rows = rows
+        self.forwards = self.size = 0  # block 0's forwards since set_batch (the first replays or stores), its rows
+        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see _probe)
+        self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
+        self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
+
+    def named(self) -> bool:
+        """Whether the running forward pass is the one :meth:`FrozenPrefix.set_batch` named the rows of: the first
+        since, and as many rows as named."""
+        return self.forwards == 1 and self.size == len(self.rows)
+
+    def start_forward(self, hidden: torch.Tensor, kwargs: dict[str, Any], store: _Store) -> None:
+        """Block 0 starts a forward pass on ``hidden``: decide, for the named one, whether it replays."""
+        self.forwards, self.size = self.forwards + 1, hidden.shape[0]
+        if not self.named():
+            return
+        store.stats.batches += 1
+        if store.max_bytes > 0:
+            self.probe = _probe(hidden, kwargs)
+            self.hit = store.assemble(store.entries, self.rows, self.probe, hidden.device)
+            self.seed = None if self.hit is not None else store.assemble(store.previous, self.rows, self.probe,
+                                                                         hidden.device)
+            store.stats.hits += self.hit is not None
+            store.stats.seeded += self.seed is not None
 
 
 class FrozenBlockForward:
@@ -218,40 +230,34 @@ class FrozenBlockForward:
     name = FROZEN_WRAPPER
     persistent = False
 
-    def __init__(self, shared: _Shared, index: int) -> None:
-        self.shared, self.index = shared, index
+    def __init__(self, prefix: FrozenPrefix, index: int) -> None:
+        self.prefix, self.index = prefix, index
 
     def frozen(self) -> bool:
-        return self.shared.active(self.index)
+        return self.prefix.active(self.index)
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        shared = self.shared
-        if not shared.active(self.index):
+        prefix, store, batch = self.prefix, self.prefix.store, self.prefix.batch
+        if not prefix.active(self.index) or batch is None:
             return inner(*args, **kwargs)
-        last = self.index == shared.frozen - 1
+        last = self.index == prefix.frozen - 1
         hidden_in = hidden_input(args, kwargs)
-        if self.index == 0 and hidden_in.grad_fn is not None and not shared.below:
-            shared.below = trainable_leaves(hidden_in)
         if self.index == 0:
-            shared.forwards, shared.batch_rows = shared.forwards + 1, hidden_in.shape[0]
-            if shared.named() and shared.max_bytes > 0:
-                shared.probe = _probe(hidden_in, kwargs)
-                shared.hit = shared.assemble(hidden_in, shared.store)
-                shared.seed = shared.assemble(hidden_in, shared.previous) if shared.hit is None else None
-                shared.stats.hits += shared.hit is not None
-                shared.stats.seeded += shared.seed is not None
-            shared.stats.batches += shared.named()
-        named = shared.named()
-        if shared.hit is not None and named:
-            output = shared.rebuild_output(shared.hit if last else hidden_in.detach())
-        elif shared.seed is not None and named and self.index < shared.previous_frozen:
-            output = shared.rebuild_output(shared.seed if self.index == shared.previous_frozen - 1 else hidden_in.detach())
+            if hidden_in.grad_fn is not None and not prefix.below:
+                prefix.below = trainable_leaves(hidden_in)
+            batch.start_forward(hidden_in, kwargs, store)
+        named = batch.named()
+        if batch.hit is not None and named:
+            output = store.rebuild_output(batch.hit if last else hidden_in.detach())
+        elif batch.seed is not None and named and self.index < store.previous_frozen:
+            output = store.rebuild_output(batch.seed if self.index == store.previous_frozen - 1 else hidden_in.detach())
         else:
             with torch.no_grad():
                 output = inner(*args, **kwargs)
-            if last and shared.max_bytes > 0 and named:
-                shared.remember(output)
-        if last and shared.frozen < len(shared.blocks) and uses_reentrant_checkpoint(shared.blocks[shared.frozen]):
+            if last and store.max_bytes > 0 and named:
+                assert batch.probe is not None
+                store.remember(batch.rows, batch.probe, output)
+        if last and prefix.frozen < len(prefix.blocks) and uses_reentrant_checkpoint(prefix.blocks[prefix.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
             output = replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
         return output
@@ -291,30 +297,37 @@ class FrozenPrefix:
         if max_bytes < 0:
             raise ValueError(f"`max_bytes={max_bytes}` must be >= 0 (0: store nothing).")
         self.blocks = list(blocks)
-        self.shared = _Shared(self.blocks, int(max_bytes), dtype)
+        self.frozen = 0  # how many of the lowest blocks are frozen
+        self.store = _Store(int(max_bytes), dtype)
+        self.batch: _Batch | None = None  # the current training batch; None: run the blocks as they are
+        self.below: list[torch.Tensor] = []  # trainable tensors below the first block (an input embedding)
         self._stacks: list[ForwardStack] = []
         try:
             for index, block in enumerate(self.blocks):
                 if get_wrapper(block, FROZEN_WRAPPER) is not None:
                     raise RuntimeError(f"{type(block).__name__} already has a frozen-prefix wrapper installed.")
-                self._stacks.append(install_wrapper(block, FrozenBlockForward(self.shared, index), innermost=True))
+                self._stacks.append(install_wrapper(block, FrozenBlockForward(self, index), innermost=True))
         except BaseException:
             self.remove()
             raise
 
     @property
-    def frozen(self) -> int:
-        """How many of the lowest blocks are frozen."""
-        return self.shared.frozen
-
-    @property
     def stats(self) -> CacheStats:
-        return self.shared.stats
+        return self.store.stats
 
     @property
     def params_below(self) -> list[torch.Tensor]:
         """Trainable tensors found below the first block (an input embedding) by a frozen forward."""
-        return list(self.shared.below)
+        return list(self.below)
+
+    @property
+    def hit(self) -> bool:
+        """Whether the current training batch replays its stored outputs."""
+        return self.batch is not None and self.batch.hit is not None
+
+    def active(self, index: int) -> bool:
+        """Whether block ``index`` runs frozen in the current forward pass."""
+        return index < self.frozen and self.batch is not None and self.blocks[index].training
 
     def freeze(self, num_blocks: int) -> None:
         """Freeze the ``num_blocks`` lowest blocks.
@@ -325,20 +338,24 @@ class FrozenPrefix:
         """
         if not 0 <= num_blocks <= len(self.blocks):
             raise ValueError(f"`num_blocks={num_blocks}` is outside 0..{len(self.blocks)} (the model's blocks).")
-        if num_blocks > self.shared.frozen > 0:
-            self.shared.grow(num_blocks)
-        elif num_blocks != self.shared.frozen:
-            self.shared.clear()
-            self.shared.below = []
-            self.shared.frozen = num_blocks
+        if num_blocks > self.frozen > 0:
+            self.store.grow(self.frozen)
+        elif num_blocks != self.frozen:
+            self.store.clear()
+            self.below = []
+        self.frozen = num_blocks
         dropout = _active_dropout(self.blocks[:num_blocks])
         if dropout:
-            self.shared.disable(f"dropout is active in the frozen blocks ({dropout}): a stored output would be one "
-                                "sample of it. Set it to 0 (peft's lora_dropout) to reuse their outputs")
+            self.disable(f"dropout is active in the frozen blocks ({dropout}): a stored output would be one "
+                         "sample of it. Set it to 0 (peft's lora_dropout) to reuse their outputs")
+
+    def disable(self, reason: str) -> None:
+        """Store nothing from now on, warning once with ``reason``; the frozen blocks still run without a graph."""
+        self.store.disable(reason)
 
     def clear_store(self) -> None:
         """Forget every stored output (they were computed with weights that have changed since)."""
-        self.shared.clear()
+        self.store.clear()
 
     def set_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Name the examples of the training batch whose forward pass comes next (rows of ``input_ids``)."""
@@ -347,25 +364,23 @@ class FrozenPrefix:
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}, `input_ids` "
                              f"{tuple(input_ids.shape)}.")
-        self.shared.hit = self.shared.seed = None
-        self.shared.forwards = 0
-        if not self.shared.frozen:
-            self.shared.rows = []
-        elif self.shared.max_bytes:
-            self.shared.rows = _rows(input_ids, attention_mask)
+        if not self.frozen:
+            self.batch = _Batch([])
+        elif self.store.max_bytes:
+            self.batch = _Batch(_rows(input_ids, attention_mask))
         else:  # storing nothing: no key to compute, no host copy
-            self.shared.rows = [_Row(b"", None)] * input_ids.shape[0]
+            self.batch = _Batch([_Row(b"", None)] * input_ids.shape[0])
 
     def end_batch(self) -> None:
         """The training batch is done: the next forward passes (evaluation) run the blocks as they are."""
-        self.shared.rows, self.shared.hit, self.shared.seed = None, None, None
+        self.batch = None
 
     def remove(self) -> None:
         """Remove the wrappers and the stored outputs (idempotent)."""
         for block, stack in zip(self.blocks, self._stacks):
             remove_wrapper(block, FROZEN_WRAPPER, stack)
         self._stacks = []
-        self.shared.clear()
+        self.store.clear()
 
 
 def is_frozen(block: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lcsb_lightning import LCSBCallback
-from lcsb_lightning.policies import CyclicPolicy
+from lcsb_lightning.policies import CyclicPolicy, DyadicPolicy
 from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
 
@@ -131,6 +131,20 @@ def test_resume_continues_the_exact_sequence(residual_net, tmp_path: Path, polic
     resumed_model, resumed = run(12, ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.selections == full.selections[4:]
     assert resumed_model.losses == full_model.losses[4:]
+
+
+def test_a_resume_with_other_policy_arguments_is_refused_before_any_step(residual_net, tmp_path: Path) -> None:
+    def fit(model: TokenLM, levels: int, steps: int, ckpt_path: str | None = None) -> None:
+        lcsb = LCSBCallback(DyadicPolicy(levels=levels), log_every_n_steps=0)
+        trainer = quiet_trainer(max_steps=steps, callbacks=[lcsb, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                                enable_checkpointing=True)
+        trainer.fit(model, token_batches(num_batches=4), ckpt_path=ckpt_path)
+
+    fit(TokenLM(residual_net(num_blocks=8)), levels=4, steps=2)
+    resumed = TokenLM(residual_net(num_blocks=8))
+    with pytest.raises(ValueError, match="the checkpoint has levels=4, this policy has levels=3"):
+        fit(resumed, levels=3, steps=4, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.losses == []
 
 
 def test_a_checkpoint_of_0_5_with_the_removed_options_state_loads(residual_net) -> None:

@@ -37,13 +37,27 @@ def test_a_checkpoint_that_runs_code_on_load_is_refused(tmp_path: Path) -> None:
     assert RAN == []
 
 
-@pytest.mark.parametrize("options", [["policy=dyadic"], ["policy=grad_norm", "mebp=int4", "guard=rollback"],
-                                     ["policy=random", "freeze=progressive", "best_adapter=val/loss"]])
-def test_a_recipe_checkpoint_loads_and_resumes(tmp_path: Path, options: list[str]) -> None:
-    """Every callback's and plugin's state in a recipe checkpoint is tensors and plain containers."""
+def _frozen(checkpoint: dict[str, Any]) -> list[int]:
+    """The blocks ProgressiveFreezing had frozen when the checkpoint was saved (empty without it)."""
+    return [state["frozen"] for key, state in checkpoint["callbacks"].items() if key.startswith("ProgressiveFreezing")]
+
+
+@pytest.mark.parametrize(("options", "frozen"), [
+    (["policy=dyadic"], []),
+    (["policy=grad_norm", "mebp=int4", "guard=rollback"], []),
+    # 3 steps an epoch: step 3 runs in epoch 1 with the lowest half of the blocks frozen; the resumed run
+    # starts epoch 2 (a run stopped by max_steps saves its epoch as done), three quarters
+    (["policy=random", "freeze=progressive", "task.max_train_examples=6", "best_adapter=val/loss"], [2, 3]),
+])
+def test_a_recipe_checkpoint_loads_and_resumes(tmp_path: Path, options: list[str], frozen: list[int]) -> None:
+    """Every callback's and plugin's state in a recipe checkpoint is tensors and plain containers, frozen blocks
+    included."""
     out = tmp_path / "run"
-    cfg = compose_cfg([*FAST, "task=pydoc", "task.max_eval_examples=2", "trainer.max_steps=2", *options])
+    cfg = compose_cfg([*FAST, "task=pydoc", "task.max_eval_examples=2", "trainer.max_steps=4", *options])
     run_finetune(cfg, out)
-    assert check_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 2
-    cfg.resume, cfg.trainer.max_steps = str(out), 3
-    assert run_finetune(cfg, out)["steps"] == 3
+    checkpoint = check_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 4 and _frozen(checkpoint) == frozen[:1]
+    cfg.resume, cfg.trainer.max_steps = str(out), 5
+    assert run_finetune(cfg, out)["steps"] == 5
+    checkpoint = check_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 5 and _frozen(checkpoint) == frozen[1:]

@@ -72,7 +72,7 @@ def test_replay_gives_the_loss_and_gradients_of_the_frozen_blocks(layouts: list[
     prefix.freeze(FROZEN)
     rows = {length: _padded_batch([length], 12, seed=length) for length in {n for layout in layouts for n in layout}}
     for step, layout in enumerate(layouts):
-        width = max(layout) + step  # the second layout is padded wider: dynamic padding still hits
+        width = max(layout) + len(layouts) - 1 - step  # the first layout is padded widest: the later ones still hit
         ids = torch.zeros(len(layout), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, length in enumerate(layout):
@@ -169,7 +169,7 @@ def test_a_growing_freeze_starts_from_the_outputs_stored_before() -> None:
     assert step() == [0, 1, 1, 1]  # seeded: block 0's stored outputs, blocks 1 and 2 run once
     assert prefix.stats.seeded == 1 and prefix.stats.stored_examples == 2
     assert step() == [0, 0, 0, 1]  # a hit
-    assert prefix.shared.previous == {}  # every seed was used and dropped
+    assert prefix.store.previous == {}  # every seed was used and dropped
     prefix.freeze(2)  # a freeze that shrinks empties the store
     assert prefix.stats.stored_examples == 0 and step() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="num_blocks=5"):
@@ -388,6 +388,10 @@ def _plain(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return m.loss(ids, mask)
 
 
+def _pad_in_the_loss(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return m.model(input_ids=ids, attention_mask=mask, labels=ids).loss  # pad = EOS: padded positions are labels
+
+
 def _second_forward(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     shifted = ids.clone()
     shifted[:, 0] = (shifted[:, 0] + 1) % 64
@@ -412,6 +416,7 @@ def _truncated(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize(("step", "lora_dropout", "replays"), [
     pytest.param(_plain, 0.0, True, id="dynamic-padding"),
+    pytest.param(_pad_in_the_loss, 0.0, True, id="padded-positions-in-the-loss"),
     pytest.param(_second_forward, 0.0, True, id="second-forward"),  # the first forward replays, the second must not
     pytest.param(_masked_tokens, 0.0, False, id="tokens-changed-in-training-step"),
     pytest.param(_shifted_positions, 0.0, False, id="position-ids"),
@@ -421,7 +426,8 @@ def _truncated(m: PaddedLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 def test_the_store_replays_only_what_the_frozen_blocks_would_compute(step: Callable[..., torch.Tensor],
                                                                      lora_dropout: float, replays: bool) -> None:
     """Against ``cache=False`` (the frozen blocks run at every step): the same losses and weights, whatever the
-    training step does to the batch, and hits in the last epoch where a replay is exact."""
+    training step does to the batch (a loss on the padded positions included), and hits in the last epoch where
+    a replay is exact."""
     def fit(cache: bool) -> tuple[PaddedLM, dict[str, float]]:
         torch.manual_seed(0)
         module = PaddedLM(_llama(lora_dropout=lora_dropout), step)
@@ -435,10 +441,10 @@ def test_the_store_replays_only_what_the_frozen_blocks_would_compute(step: Calla
     else:
         cached, metrics = fit(cache=True)
     plain, _ = fit(cache=False)
-    assert metrics["freeze/cache_hit"] == float(replays)
+    assert (metrics["freeze/cache_hit"] > 0) == replays  # a batch wider than when its rows were stored recomputes
     torch.testing.assert_close(cached.losses, plain.losses, rtol=0, atol=1e-6)
     for (name, p), (_, q) in zip(cached.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)  # a replay pads with zeros: not bit for bit
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_tied_embedding_trains_on_in_a_frozen_epoch() -> None:

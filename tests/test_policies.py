@@ -99,6 +99,45 @@ def test_grad_norm_prefers_high_norm_blocks_yet_respects_the_staleness_bound() -
     assert hot > 2 * cold
 
 
+@pytest.mark.parametrize(("saved", "resumed", "match"), [
+    (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(), "the checkpoint has levels=4, this policy has levels=3"),
+    (lambda: CyclicPolicy(layers_per_step=2, switch_every=2), lambda: CyclicPolicy(layers_per_step=2),
+     "the checkpoint has switch_every=2, this policy has switch_every=1"),
+    (lambda: CyclicPolicy(layers_per_step=2, descending=True), lambda: CyclicPolicy(layers_per_step=2),
+     "the checkpoint has descending=True, this policy has descending=False"),
+    (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(fraction=0.5), "the checkpoint has k=2, this policy has k=4"),
+    (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, seed=1),
+     "the checkpoint has seed=0, this policy has seed=1"),
+    (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, reshuffle=False),
+     "the checkpoint has reshuffle=True, this policy has reshuffle=False"),
+    (lambda: GradNormPolicy(layers_per_step=2, ema_decay=0.5), lambda: GradNormPolicy(layers_per_step=2),
+     "the checkpoint has ema_decay=0.5, this policy has ema_decay=0.9"),
+    (lambda: GradNormPolicy(layers_per_step=2), lambda: GradNormPolicy(layers_per_step=2, exploration=0.0),
+     "the checkpoint has exploration=0.1, this policy has exploration=0.0"),
+    (lambda: GradNormPolicy(layers_per_step=2, max_staleness=3), lambda: GradNormPolicy(layers_per_step=2),
+     "the checkpoint has max_staleness=3, this policy has max_staleness=8"),  # 2 * ceil(8 / 2)
+])
+def test_a_checkpoint_of_other_constructor_arguments_is_refused(saved, resumed, match: str) -> None:
+    policy, other = saved(), resumed()
+    policy.setup(8)
+    other.setup(8)
+    policy.select(5)
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(policy.state_dict())
+
+
+def test_a_checkpoint_that_predates_the_recorded_arguments_loads_with_a_warning() -> None:
+    policy = DyadicPolicy(levels=4)
+    policy.setup(8)
+    policy.select(5)
+    state = {key: policy.state_dict()[key] for key in ("round", "selection", "num_blocks", "k")}  # as 0.7 saved it
+    resumed = DyadicPolicy(levels=4)
+    resumed.setup(8)
+    with pytest.warns(UserWarning, match=r"does not record switch_every, levels .*this policy's switch_every=1, levels=4"):
+        resumed.load_state_dict(state)
+    assert [resumed.select(t) for t in range(6, 12)] == [policy.select(t) for t in range(6, 12)]
+
+
 def test_full_and_top_only() -> None:
     full = FullPolicy()
     full.setup(5)

@@ -173,7 +173,7 @@ def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> Non
     Raises:
         ValueError: naming the arm, its cycle and ``steps_per_round``.
     """
-    check_int("steps_per_round", steps_per_round, 1)
+    steps_per_round = check_int("steps_per_round", steps_per_round, 1)
     for name, policy in policies.items():
         cycle = getattr(policy, "cycle_steps", None)
         if cycle and steps_per_round % cycle:
@@ -212,9 +212,12 @@ def time_task(
         out_dir: Folder for the arms' TensorBoard logs.
 
     Raises:
-        ValueError: ``steps_per_round`` does not cover whole cycles of an arm's policy (before any work).
+        ValueError: ``rounds`` or ``steps_per_round`` is no integer >= 1, or ``steps_per_round`` does not cover
+            whole cycles of an arm's policy (before any work).
     """
     from lcsb_lightning.recipes.train import build_group, build_trainer, make_loaders, prepare
+
+    rounds, steps_per_round = check_int("rounds", rounds, 1), check_int("steps_per_round", steps_per_round, 1)
 
     configs = {name: compose([*common, f"task={task}", *overrides, f"trainer.max_steps={steps_per_round + 1}",
                               "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=null",

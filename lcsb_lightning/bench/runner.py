@@ -214,8 +214,8 @@ def _run_recipe_speed(arms: Sequence[Arm], r: Mapping[str, Any], root: Path, com
             continue
         folder = arm_dir(root, arm)
         common = [f"model={r['model']}", *settings["common"]]
-        timing = time_task(task, {n: list(o) for n, o in r["arms"].items()}, common, compose, int(r["rounds"]),
-                           int(r["steps_per_round"]), folder / "logs")
+        timing = time_task(task, {n: list(o) for n, o in r["arms"].items()}, common, compose, r["rounds"],
+                           r["steps_per_round"], folder / "logs")
         atomic_write_json(folder / RESULT_NAME, {"study": "recipe_speed", "name": arm.name, "labels": dict(arm.labels),
                                                  "baseline": r["baseline"], "timing": timing, "settings_hash": expected})
         gc.collect()

@@ -196,7 +196,7 @@ def chunked_lm_loss(
         >>> bool(torch.allclose(chunked_lm_loss(h, head, y, chunk_size=4), ref, atol=1e-6))
         True
     """
-    check_int("chunk_size", chunk_size, 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     if hidden_states.dim() != 3 or labels.shape != hidden_states.shape[:2]:
         raise ValueError(
             f"Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "

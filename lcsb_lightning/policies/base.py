@@ -6,6 +6,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, TypeVar
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lcsb_lightning.validation import check_int
 
 Selection = tuple[int, ...]
@@ -42,6 +44,9 @@ class SelectionPolicy(ABC):
     #: What the policy selects: ``"block"`` (transformer blocks) or ``"sublayer"`` (each block's attention and
     #: MLP, numbered ``2 * block`` and ``2 * block + 1``).
     granularity: str = "block"
+    #: The constructor arguments, by attribute, that shape the policy's state (besides ``num_blocks`` and
+    #: ``k``): a checkpoint records them, and a policy built with other values refuses it.
+    state_args: tuple[str, ...] = ("switch_every",)
 
     def __init__(
         self,
@@ -133,13 +138,30 @@ class SelectionPolicy(ABC):
 
     # ---------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k}
+        return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k,
+                **{name: getattr(self, name) for name in self.state_args}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("num_blocks", self.num_blocks) != self.num_blocks or state.get("k", self.k) != self.k:
+        """Restore the state of :meth:`state_dict`.
+
+        Raises:
+            ValueError: the checkpoint was saved by a policy over another model, of another ``k`` or built with
+                other :attr:`state_args`, naming both values. A checkpoint of 0.7 or older records no
+                :attr:`state_args`: it loads, with a warning.
+        """
+        ours = {name: getattr(self, name) for name in ("num_blocks", "k", *self.state_args)}
+        differ = [name for name in ours if name in state and state[name] != ours[name]]
+        if differ:
             raise ValueError(
-                f"Policy state was saved for num_blocks={state.get('num_blocks')}, k={state.get('k')}; "
-                f"this policy has num_blocks={self.num_blocks}, k={self.k}."
+                f"{type(self).__name__}: the checkpoint has {', '.join(f'{n}={state[n]!r}' for n in differ)}, this "
+                f"policy has {', '.join(f'{n}={ours[n]!r}' for n in differ)}; build it with the checkpoint's "
+                "arguments to resume."
+            )
+        missing = [name for name in self.state_args if name not in state]
+        if missing:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint does not record {', '.join(missing)} (saved by 0.7 or older); "
+                f"resuming with this policy's {', '.join(f'{n}={ours[n]!r}' for n in missing)}."
             )
         self._round = int(state["round"])
         self._selection = tuple(state["selection"])

@@ -23,6 +23,8 @@ class CyclicPolicy(SelectionPolicy):
         [(0, 1), (2, 3), (4, 5), (0, 1)]
     """
 
+    state_args = ("switch_every", "descending")
+
     def __init__(self, *args: Any, descending: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.descending = bool(descending)
@@ -86,6 +88,7 @@ class DyadicPolicy(SelectionPolicy):
     """
 
     needs_size = False
+    state_args = ("switch_every", "levels")
 
     def __init__(self, *args: Any, levels: int = 3, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

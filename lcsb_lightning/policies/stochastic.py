@@ -27,6 +27,8 @@ class RandomPolicy(SelectionPolicy):
         [0, 1, 2, 3]
     """
 
+    state_args = ("switch_every", "seed", "reshuffle")
+
     def __init__(self, *args: Any, reshuffle: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reshuffle = bool(reshuffle)
@@ -75,6 +77,8 @@ class GradNormPolicy(SelectionPolicy):
         exploration: weight of the staleness bonus, >= 0.
         max_staleness: rounds after which a block is forced in; default ``2 * G``.
     """
+
+    state_args = ("switch_every", "ema_decay", "exploration", "max_staleness")
 
     def __init__(
         self,

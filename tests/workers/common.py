@@ -46,10 +46,16 @@ class Record(Callback):
         self.block0.append([v for p in block0 for v in full_values(p)][:8])
 
 
-def strided_loader(per_rank_batch: int) -> DataLoader:
-    """The same 32 sequences of 12 tokens (vocabulary 64) on any world size, a global batch of 4."""
+def strided_loader(per_rank_batch: int, ragged: bool = False) -> DataLoader:
+    """The same 32 sequences of 12 tokens (vocabulary 64) on any world size, a global batch of 4; ``ragged``:
+    rank ``r`` cuts its sequences to ``12 - 4 r`` tokens, so the ranks' batches differ in shape."""
     dataset = token_batches(num_batches=8, batch=4, seq=12, vocab=64).dataset
-    return DataLoader(dataset, batch_size=per_rank_batch, sampler=StridedSampler(len(dataset)))
+
+    def collate(rows: list[tuple[torch.Tensor]]) -> list[torch.Tensor]:
+        tokens = torch.stack([row[0] for row in rows])
+        return [tokens[:, : 12 - 4 * StridedSampler(0)._rank_world()[0]] if ragged else tokens]
+
+    return DataLoader(dataset, batch_size=per_rank_batch, sampler=StridedSampler(len(dataset)), collate_fn=collate)
 
 
 def full_values(param: torch.Tensor) -> list[float]:

@@ -1,7 +1,7 @@
 """One LCSB fit under ``Trainer(strategy=...)`` on CPU; every rank writes what it saw to ``<out>/rank<r>.json``.
 
 Run by ``tests/test_ddp.py`` as ``python tests/workers/ddp_fit.py OUT JOB [JOB ...]`` where each JOB is
-``name:policy:steps[:backward[:ckpt_every|resume_from_job]]``; the jobs run one after the other in the
+``name:policy:steps[:backward[:ckpt_every|resume_from_job|ragged]]``; the jobs run one after the other in the
 same processes (one process group). Lightning's launcher re-runs this script for the other ranks.
 """
 
@@ -33,8 +33,8 @@ def fit(out: Path, name: str, policy: str, steps: int, backward: str, extra: str
         lcsb = LCSBCallback(policy, layers_per_step=1, backward=backward, seed=3, log_every_n_steps=0)
     record = Record(lcsb)
     callbacks: list[Callback] = [lcsb, record]
-    ckpt_every = int(extra) if extra.isdigit() else 0
-    resume = str(out / extra / "last.ckpt") if extra and not extra.isdigit() else None
+    ckpt_every, ragged = int(extra) if extra.isdigit() else 0, extra == "ragged"
+    resume = str(out / extra / "last.ckpt") if extra and not extra.isdigit() and not ragged else None
     if ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=out / name, save_last=True, every_n_train_steps=ckpt_every))
     trainer = Trainer(
@@ -43,7 +43,7 @@ def fit(out: Path, name: str, policy: str, steps: int, backward: str, extra: str
         callbacks=callbacks, use_distributed_sampler=False,
     )
     # The same 32 sequences whatever the world size: a global batch of 4, so 8 steps per epoch
-    trainer.fit(module, strided_loader(4 // devices), ckpt_path=resume)
+    trainer.fit(module, strided_loader(4 // devices, ragged), ckpt_path=resume)
     write_rank(out / name, trainer, module, lcsb, record)
 
 

@@ -67,11 +67,9 @@ class Task:
     kind: ClassVar[str] = "lm"
 
     def __init__(self, max_train_examples: int | None = None, max_eval_examples: int | None = None, seed: int = 0):
-        for name, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
-            if value is not None:
-                check_int(name, value, 1)
-        self.max_train_examples = max_train_examples
-        self.max_eval_examples = max_eval_examples
+        self.max_train_examples, self.max_eval_examples = (
+            None if value is None else check_int(name, value, 1)
+            for name, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)))
         self.seed = seed
 
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
