@@ -39,9 +39,6 @@ class SelectionPolicy(ABC):
 
     #: Whether the policy needs exactly one of ``layers_per_step`` / ``fraction``.
     needs_size: bool = True
-    #: What the policy selects: ``"block"`` (transformer blocks) or ``"sublayer"`` (each block's attention and
-    #: MLP, numbered ``2 * block`` and ``2 * block + 1``).
-    granularity: str = "block"
 
     def __init__(
         self,
