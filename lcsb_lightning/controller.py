@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params
+from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params, shared_param_ids
 from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.selective import SelectiveBackprop
 
@@ -74,8 +73,7 @@ class LCSBController:
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
         # parameters a model uses in two places (an input embedding tied to the head): a step whose backward
         # does not reach the lookup still gives them the head's exact gradient, which is theirs to use
-        names_per_param = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        self._shared_param_ids = frozenset(i for i, count in names_per_param.items() if count > 1)
+        self._shared_param_ids = shared_param_ids(model)
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
             self.block_params.blocks, self.block_params.params_per_block,
             "identity" if backward == "identity" else "selected_only",
