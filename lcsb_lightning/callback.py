@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Any
+from unittest.mock import patch
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -301,20 +302,15 @@ class LCSBCallback(FitScopedCallback):
 
 
 def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
-    """The loss of ``training_step`` run once more, in the training's precision, with its logging off."""
-    with _logging_suppressed(pl_module), trainer.precision_plugin.train_step_context():
+    """The loss of ``training_step`` run once more, in the training's precision, with its logging off.
+
+    A re-run that logs would count its values twice in the epoch's aggregates, and Lightning has no switch that
+    mutes ``self.log`` (``barebones`` and a detached trainer warn at each call): both are no-ops for the call,
+    then whatever they were (a wrapper set on the instance included)."""
+    with patch.multiple(pl_module, log=_no_log, log_dict=_no_log), trainer.precision_plugin.train_step_context():
         out = pl_module.training_step(batch, batch_idx)
     return out["loss"] if isinstance(out, dict) else out
 
 
-class _logging_suppressed:
-    """Makes ``self.log``/``self.log_dict`` no-ops while the probe re-runs ``training_step``."""
-
-    def __init__(self, module: LightningModule) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.log = self.module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: object) -> None:
-        del self.module.log, self.module.log_dict
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None

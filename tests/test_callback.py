@@ -230,3 +230,31 @@ def test_probe_measures_the_fidelity_of_the_gradient_used(tmp_path: Path, backwa
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0}).Reload()
     assert "lcsb/probe/cos/block_00" in events.Tags()["scalars"] and "lcsb/probe" in events.Tags()["images"]
 
+
+class _LoggingLM(TokenLM):
+    """Logs its loss through a wrapper set on the instance, as instrumentation does; records what it logged."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.logged: list[str] = []
+        own_log = self.log
+
+        def counted_log(name: str, *args: Any, **kwargs: Any) -> None:
+            self.logged.append(name)
+            own_log(name, *args, **kwargs)
+
+        self.log = counted_log  # type: ignore[method-assign]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_the_probe_mutes_logging_for_its_rerun_only(residual_net) -> None:
+    model = _LoggingLM(residual_net(num_blocks=2))
+    wrapper = model.log
+    _fit(model, LCSBCallback("cyclic", layers_per_step=1, probe_every=2, log_every_n_steps=0), steps=6)
+    assert len(model.losses) == 6 + 3  # training_step ran again at steps 0, 2 and 4
+    assert model.logged.count("train/loss") == 6  # the re-runs logged nothing, the steps everything
+    assert model.log is wrapper
