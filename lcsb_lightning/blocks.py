@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -41,6 +42,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
             model = model._orig_mod
     return model
+
+
+def shared_param_ids(model: nn.Module) -> frozenset[int]:
+    """Ids of the parameters ``model`` uses in two places (an input embedding tied to the LM head)."""
+    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return frozenset(key for key, count in counts.items() if count > 1)
 
 
 def _get_dotted(module: nn.Module, path: str) -> object | None:

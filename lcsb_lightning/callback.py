@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any
+from unittest.mock import patch
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-import torch
 from torch.optim import Optimizer
 
 from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.fit_scoped import FitScopedCallback
-from lcsb_lightning.policies import DropBPPolicy, SelectionPolicy, available_policies, build_policy
+from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
 from lcsb_lightning.selection_image import probe_image, selection_image
-from lcsb_lightning.sublayers import SublayerDrop, first_example, measure_sensitivity, sequence_length, sublayer_flops
 from lcsb_lightning.validation import check_int
 
 _PROBES_KEPT = 10_000
@@ -63,10 +61,7 @@ class LCSBCallback(FitScopedCallback):
 
     Args:
         policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``,
-            ``"full"``, ``"top_only"``, ``"dropbp"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy`
-            instance. ``"dropbp"`` (:class:`~lcsb_lightning.policies.DropBPPolicy`) selects attention and MLP
-            sublayers instead of blocks (DropBP); with ``allocation="sensitivity"`` the callback measures
-            each sublayer's sensitivity once, inside the training step's time, and averages it over the processes.
+            ``"full"``, ``"top_only"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
         layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
             cyclic, random, grad_norm, top_only).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
@@ -154,7 +149,6 @@ class LCSBCallback(FitScopedCallback):
         self._history: list[tuple[int, ...]] = []
         self._pending_state: dict[str, Any] | None = None
         self._image_unsupported_reported = False
-        self._sensitivity_step: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -181,7 +175,6 @@ class LCSBCallback(FitScopedCallback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _check_strategy(trainer)
-        sensitivity_step = self._sensitivity_step_of(trainer)
         # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
         # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.unreached, self.blocks)
@@ -214,10 +207,8 @@ class LCSBCallback(FitScopedCallback):
                 f"them (on the others: unreached={self.unreached}), those above it (the head, "
                 "the final norm) at every step."
             )
-        self._sensitivity_step = sensitivity_step
-        units = "sublayers" if self.controller.sublayers else "blocks"
         rank_zero_info(
-            f"LCSB: {self.policy!r} over {self.num_blocks} {units}, "
+            f"LCSB: {self.policy!r} over {self.num_blocks} blocks, "
             + (f"k={self.policy.k}, " if self.policy.needs_size else "")
             + f"backward={self.backward}, unreached={self.unreached}."
         )
@@ -243,58 +234,6 @@ class LCSBCallback(FitScopedCallback):
             self._log_selection_image(trainer, trainer.global_step)
             self._history = []  # on every rank, so the history stays bounded everywhere
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        # here, inside the step's wall-clock as a timer that runs after this callback sees it
-        if self._sensitivity_step is not None and trainer.global_step >= self._sensitivity_step:
-            self._sensitivity_step = None
-            # FSDP and ModelParallelStrategy restore a checkpoint after on_fit_start: its rates may be in by now
-            if self._measures_sensitivity:
-                self._allocate_by_sensitivity(trainer, pl_module, batch, batch_idx)
-
-    @property
-    def _measures_sensitivity(self) -> bool:
-        return isinstance(self.policy, DropBPPolicy) and self.policy.needs_sensitivity
-
-    def _sensitivity_step_of(self, trainer: Trainer) -> int | None:
-        """The optimizer step after which DropBP's sensitivity is measured; None where the policy measures none.
-
-        Raises:
-            ValueError: the run's length is unknown (no ``max_steps``, an iterable data set).
-        """
-        if not self._measures_sensitivity:
-            return None  # estimated_stepping_batches sets up the training data: asked only when needed
-        assert isinstance(self.policy, DropBPPolicy)
-        total_steps = trainer.estimated_stepping_batches
-        if not (math.isfinite(total_steps) and total_steps >= 1):
-            raise ValueError(
-                f"{self.policy!r} with allocation='sensitivity' measures after `sensitivity_at="
-                f"{self.policy.sensitivity_at}` of the run's steps, and this run's length is unknown "
-                f"(estimated_stepping_batches={total_steps}): set `max_steps`."
-            )
-        return self.policy.sensitivity_step(int(total_steps))
-
-    def _allocate_by_sensitivity(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """DropBP's allocation: each sublayer's sensitivity on one example of ``batch``, averaged over the processes
-        so that every rank draws the same drops, then the rates under the policy's FLOP budget."""
-        assert self.controller is not None and isinstance(self.controller.selective, SublayerDrop)
-        assert isinstance(self.policy, DropBPPolicy)
-        example = first_example(batch)
-        units = self.controller.block_params
-        sensitivity = measure_sensitivity(
-            lambda: _training_loss(trainer, pl_module, example, batch_idx), self.controller.selective,
-            units.params_per_block,
-        )
-        mean = trainer.strategy.reduce(torch.tensor(sensitivity, device=pl_module.device), reduce_op="mean")
-        seq_len = sequence_length(example)
-        flops = [sublayer_flops(unit, seq_len, attention=i % 2 == 0) for i, unit in enumerate(units.blocks)]
-        rates = self.policy.allocate(mean.tolist(), flops)
-        rank_zero_info(
-            f"LCSB: drop rates by sensitivity after step {trainer.global_step}: attention "
-            f"{[round(r, 1) for r in rates[0::2]]}, MLP {[round(r, 1) for r in rates[1::2]]}."
-        )
-
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         assert self.controller is not None
         if self._probe_batch is not None:
@@ -303,8 +242,7 @@ class LCSBCallback(FitScopedCallback):
         norms = self.controller.before_optimizer_step(optimizer)
         if norms is not None:
             pl_module.log_dict(
-                {f"lcsb/grad_norm/{self.controller.unit_name(i)}": v for i, v in norms.items()},
-                on_step=True, on_epoch=False,
+                {f"lcsb/grad_norm/block_{i:02d}": v for i, v in norms.items()}, on_step=True, on_epoch=False
             )
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -315,9 +253,8 @@ class LCSBCallback(FitScopedCallback):
             lambda: _training_loss(trainer, pl_module, batch, batch_idx), self.controller.selective,
         )
         self.probe_results.append(result)
-        name = self.controller.unit_name
-        values = {f"lcsb/probe/cos/{name(i)}": v for i, v in result.cosine.items()}
-        values.update({f"lcsb/probe/norm_ratio/{name(i)}": v for i, v in result.norm_ratio.items()})
+        values = {f"lcsb/probe/cos/block_{i:02d}": v for i, v in result.cosine.items()}
+        values.update({f"lcsb/probe/norm_ratio/block_{i:02d}": v for i, v in result.norm_ratio.items()})
         if values:
             pl_module.log_dict(values, on_step=True, on_epoch=False)
         self._log_image(trainer, "lcsb/probe", probe_image(list(self.probe_results)[-64:], self.num_blocks), trainer.global_step)
@@ -365,20 +302,15 @@ class LCSBCallback(FitScopedCallback):
 
 
 def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
-    """The loss of ``training_step`` run once more, in the training's precision, with its logging off."""
-    with _logging_suppressed(pl_module), trainer.precision_plugin.train_step_context():
+    """The loss of ``training_step`` run once more, in the training's precision, with its logging off.
+
+    A re-run that logs would count its values twice in the epoch's aggregates, and Lightning has no switch that
+    mutes ``self.log`` (``barebones`` and a detached trainer warn at each call): both are no-ops for the call,
+    then whatever they were (a wrapper set on the instance included)."""
+    with patch.multiple(pl_module, log=_no_log, log_dict=_no_log), trainer.precision_plugin.train_step_context():
         out = pl_module.training_step(batch, batch_idx)
     return out["loss"] if isinstance(out, dict) else out
 
 
-class _logging_suppressed:
-    """Makes ``self.log``/``self.log_dict`` no-ops while the probe re-runs ``training_step``."""
-
-    def __init__(self, module: LightningModule) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.log = self.module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: object) -> None:
-        del self.module.log, self.module.log_dict
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params
+from lcsb_lightning.blocks import BlockParams, BlocksSpec, grad_norms, map_trainable_params, shared_param_ids
 from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.selective import SelectiveBackprop
-from lcsb_lightning.sublayers import SublayerDrop, sublayer_params
 
 BACKWARD_MODES = ("identity", "selected_only", "all_reached")
 #: What a trainable tensor that a step's backward did not reach gets as its gradient (see ``LCSBCallback``).
@@ -60,16 +58,8 @@ class LCSBController:
         blocks: BlocksSpec = "auto",
     ) -> None:
         validate_modes(backward, unreached)
-        self.sublayers = policy.granularity == "sublayer"
-        if self.sublayers and backward != "all_reached":
-            raise ValueError(
-                f"`backward={backward!r}` applies to block policies; {policy!r} drops sublayers, whose gradient "
-                "passes a dropped one through the residual and is exact elsewhere. Leave `backward` at all_reached."
-            )
         self.policy, self.backward, self.unreached = policy, backward, unreached
         self.block_params: BlockParams = map_trainable_params(model, blocks)
-        if self.sublayers:  # the policy's units: each block's attention and MLP
-            self.block_params = sublayer_params(self.block_params)
         policy.setup(self.block_params.num_blocks)
         self.selection: tuple[int, ...] = ()
         self.selection_counts = [0] * self.block_params.num_blocks
@@ -83,22 +73,11 @@ class LCSBController:
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
         # parameters a model uses in two places (an input embedding tied to the head): a step whose backward
         # does not reach the lookup still gives them the head's exact gradient, which is theirs to use
-        names_per_param = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        self._shared_param_ids = frozenset(i for i, count in names_per_param.items() if count > 1)
-        self.selective: SelectiveBackprop | SublayerDrop | None
-        if self.sublayers:
-            self.selective = SublayerDrop(self.block_params.blocks, self.block_params.params_per_block)
-        else:
-            self.selective = SelectiveBackprop(
-                self.block_params.blocks, self.block_params.params_per_block,
-                "identity" if backward == "identity" else "selected_only",
-            )
-
-    def unit_name(self, index: int) -> str:
-        """The name of unit ``index`` in logged metrics: ``block_NN``, or ``attn_NN`` / ``mlp_NN`` for sublayers."""
-        if self.sublayers:
-            return f"{'attn' if index % 2 == 0 else 'mlp'}_{index // 2:02d}"
-        return f"block_{index:02d}"
+        self._shared_param_ids = shared_param_ids(model)
+        self.selective: SelectiveBackprop | None = SelectiveBackprop(
+            self.block_params.blocks, self.block_params.params_per_block,
+            "identity" if backward == "identity" else "selected_only",
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -115,7 +94,7 @@ class LCSBController:
         if step == self.selected_at_step:
             return None
         selection = self.policy.select(step)
-        if self.backward == "all_reached" and selection and not self.sublayers:
+        if self.backward == "all_reached" and selection:
             # The exact backward runs from the top down to the lowest selected block anyway; every block
             # it passes gets its exact gradient almost for free (LoRA weight gradients are rank-r).
             selection = tuple(range(min(selection), self.num_blocks))
@@ -143,11 +122,11 @@ class LCSBController:
             self._hooks.append(optimizer.register_step_post_hook(self._observe))
         chosen = set(self.selection)
         in_optimizer = self._param_ids(optimizer)
-        # Identity-path blocks and dropped sublayers already hold exact zeros; the others a gradient passed through them
+        # Identity-path blocks already hold exact zeros; the others a gradient passed through them
         # may have computed, which is not theirs to use this step. The last list: trainable tensors below
         # the first block (an embedding), which train on the steps whose backward reaches them (a tied one
         # also at every step, from the head).
-        known_zero = self.backward == "identity" or self.sublayers
+        known_zero = self.backward == "identity"
         below = (
             [p for p in self.selective.params_below if id(p) not in self._shared_param_ids]
             if self.selective is not None and not self.selective.reaches_below else []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lcsb_lightning.blocks import BlocksSpec, find_blocks
+from lcsb_lightning.blocks import BlocksSpec, find_blocks, shared_param_ids
 from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.prefix_cache import FrozenPrefix
 
@@ -112,7 +111,7 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix: FrozenPrefix | None = None
         self.frozen = 0
         self._frozen_params: list[nn.Parameter] = []
-        self._tied: set[int] = set()  # ids of the parameters used twice (an embedding tied to the head): never frozen
+        self._tied: frozenset[int] = frozenset()  # ids of the parameters used twice (an embedding tied to the head): never frozen
         self._no_ids_warned = False
 
     @property
@@ -147,7 +146,7 @@ class ProgressiveFreezing(FitScopedCallback):
                              f"allowed: fewer than {len(found)} (something above them has to train).")
         if any(later < earlier for earlier, later in zip(counts, counts[1:])):
             raise ValueError(f"`schedule={self.schedule}` unfreezes blocks ({counts} frozen); a freeze only grows.")
-        self._tied = _shared_ids(pl_module)
+        self._tied = shared_param_ids(pl_module)
         tied = next((name for name, p in pl_module.named_parameters() if id(p) in _embedding_ids(pl_module) and p.requires_grad
                      and id(p) in self._tied), None)
         if tied and self.cache and max(counts) > 0:
@@ -232,12 +231,6 @@ class ProgressiveFreezing(FitScopedCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.frozen = int(state_dict.get("frozen", 0))
-
-
-def _shared_ids(module: nn.Module) -> set[int]:
-    """Ids of the parameters ``module`` uses in two places (an input embedding tied to the LM head)."""
-    counts = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    return {key for key, count in counts.items() if count > 1}
 
 
 def _embedding_ids(module: nn.Module) -> set[int]:

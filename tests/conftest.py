@@ -40,7 +40,7 @@ class ResidualNet(nn.Module):
         return self.head(h)
 
 
-def tiny_llama_peft(num_layers: int = 4, seed: int = 0, lora_dropout: float = 0.0) -> nn.Module:
+def tiny_llama_peft(num_layers: int = 4, seed: int = 0) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +50,7 @@ def tiny_llama_peft(num_layers: int = 4, seed: int = 0, lora_dropout: float = 0.
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, init_lora_weights="gaussian", target_modules="all-linear")
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules="all-linear")
     peft_model = get_peft_model(model, lora)
     for name, p in peft_model.named_parameters():  # non-zero B so every LoRA parameter gets a gradient
         if "lora_B" in name:

@@ -116,7 +116,6 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 15, "stability": 54, "ddp_speed": 3}),
     ("cost_model", {"cost_model": 8}),
-    ("dropbp", {"quality": 21}),
 ])
 def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:
     arms = validate(dict(bench_cfg(name)))
@@ -125,7 +124,7 @@ def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int])
 
 def test_every_fine_tuning_arm_of_the_configs_composes() -> None:
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        for name in ("standard", "ablation", "time_to_quality", "multi_epoch", "multi_epoch_int4", "dropbp"):
+        for name in ("standard", "ablation", "time_to_quality", "multi_epoch", "multi_epoch_int4"):
             bench = compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
             for arms in validate(dict(bench)).values():
                 for arm in arms:

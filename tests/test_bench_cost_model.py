@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _recipes_utils import finetune_composer
 from hydra import compose, initialize_config_module
@@ -139,21 +140,32 @@ def test_the_preset_expands_to_every_shape_and_pipeline_and_takes_overrides() ->
         assert [a.name for a in validate(dict(one))["cost_model"]] == ["qwen2.5_0.5b__int4"]
 
 
+def _intercepts(result: dict) -> list[float]:
+    """Each round's ``a``, recomputed from the recorded steps: numpy's line through (depth, mean step / full's)."""
+    raw, depths = result["timing"]["raw"], result["depths"]
+    mean = {arm: [np.mean([s["total"] for s in steps]) for steps in rounds] for arm, rounds in raw.items()}
+    return [float(np.polyfit([depths[arm] for arm in raw], [mean[arm][i] / mean["full"][i] for arm in raw], 1)[1])
+            for i in range(len(mean["full"]))]
+
+
 def test_a_smoke_run_on_the_tiny_model_writes_the_table_projection_and_plot(tmp_path: Path) -> None:
     bench = {"name": "cost", "studies": ["cost_model"], "cost_model": {
-        "shapes": ["tiny"], "pipelines": ["none", "int4"], "depths": [0.25, 0.5], "task": "pydoc", "rounds": 1,
+        "shapes": ["tiny"], "pipelines": ["none", "int4"], "depths": [0.25, 0.5], "task": "pydoc", "rounds": 2,
         "steps_per_round": 1, "common": ["guard=none", "seq_len=32", "task.max_train_examples=16"],
         "projection": {"targets": [1.0, 0.8], "policies": {"dyadic_l3": {"depth": 0.5, "steps_ratio": [1.25]}}}}}
     with finetune_composer() as compose_ft:
         tables = run_benchmark(bench, tmp_path, compose_ft, command="test")
     rows = tables["cost_model"]
     assert [(r["shape"], r["pipeline"], r["num_blocks"]) for r in rows] == [("tiny", "float32", 4), ("tiny", "int4", 4)]
-    for r in rows:
-        assert r["a_spread"] == 0.0 and sum(r["split"].values()) == pytest.approx(r["a"])
-    result = json.loads((tmp_path / "cost_model" / "tiny__int4" / "result.json").read_text())
+    for r, pipeline in zip(rows, ["none", "int4"]):
+        result = json.loads((tmp_path / "cost_model" / f"tiny__{pipeline}" / "result.json").read_text())
+        a_rounds = _intercepts(result)  # the two rounds' own timings: a spread the fit has to compute
+        assert (r["a_min"], r["a_max"]) == pytest.approx((min(a_rounds), max(a_rounds)))
+        assert r["a_spread"] == pytest.approx(max(a_rounds) - min(a_rounds))
+        assert sum(r["split"].values()) == pytest.approx(r["a"])
     assert result["depths"] == {"d0.25": 0.25, "d0.5": 0.5, "full": 1.0}
     raw = result["timing"]["raw"]
-    assert [[len(steps) for steps in rounds] for rounds in raw.values()] == [[1], [1], [1]]  # one timed step a round
+    assert [[len(steps) for steps in rounds] for rounds in raw.values()] == [[1, 1]] * 3  # one timed step a round
     # every arm, the first included: the head's hooks fire after QuantizedMeBP has converted the model
     assert all(0 < s["lm_head_and_loss"] < s["forward"] for rounds in raw.values() for steps in rounds for s in steps)
     assert len(tables["cost_model_projection"]) == 2

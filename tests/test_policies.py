@@ -168,13 +168,13 @@ def test_dyadic_levels(levels: int, switch_every: int, depths: list[int]) -> Non
 
 
 def test_registry_lists_every_policy() -> None:
-    assert available_policies() == ["cyclic", "dropbp", "dyadic", "full", "grad_norm", "random", "top_only"]
+    assert available_policies() == ["cyclic", "dyadic", "full", "grad_norm", "random", "top_only"]
 
 
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dropbp, dyadic, full, grad_norm, random, top_only"),
+        (lambda: build_policy("lisa", layers_per_step=1), "Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only"),
         (lambda: CyclicPolicy(), "needs `layers_per_step=k` or `fraction=f`; got neither"),
         (lambda: CyclicPolicy(layers_per_step=2, fraction=0.5), "Give only one of `layers_per_step` \\(2\\) and `fraction` \\(0.5\\)"),
         (lambda: CyclicPolicy(layers_per_step=0), "`layers_per_step` must be an integer >= 1, got 0"),
@@ -189,7 +189,6 @@ def test_registry_lists_every_policy() -> None:
         (lambda: build_policy("dyadic", layers_per_step=4),
          r"`layers_per_step=4` sizes the policies cyclic, grad_norm, random, top_only; 'dyadic' takes none\.$"),
         (lambda: build_policy("full", fraction=0.5), r"`fraction=0.5` sizes the policies .*; 'full' takes none\.$"),
-        (lambda: build_policy("dropbp", layers_per_step=2), r"`layers_per_step=2` sizes the policies .*; 'dropbp' takes none"),
         (lambda: DyadicPolicy(layers_per_step=4), r"DyadicPolicy takes no size: `layers_per_step=4`"),
         (lambda: FullPolicy(fraction=0.5), r"FullPolicy takes no size: `fraction=0.5`"),
     ],

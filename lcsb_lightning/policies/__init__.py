@@ -9,7 +9,6 @@ grad_norm  EMA of LoRA grad norms + exploration, bounded gaps    importance samp
 full       all blocks                                            full-backprop baseline
 top_only   the top k blocks only                                 the paper's Freeze baseline
 dyadic     the top N/4 every round, N/2, N on a 3-level ruler    truncated backprop, exact
-dropbp     attention and MLP sublayers drop independently        DropBP (arXiv 2402.17812)
 ========== ===================================================== ===========================
 """
 
@@ -20,7 +19,6 @@ from lcsb_lightning.policies.base import (
     build_policy,
     register_policy,
 )
-from lcsb_lightning.policies.dropbp import DropBPPolicy, allocate_drop_rates
 from lcsb_lightning.policies.simple import CyclicPolicy, DyadicPolicy, FullPolicy, TopOnlyPolicy
 from lcsb_lightning.policies.stochastic import GradNormPolicy, RandomPolicy
 
@@ -31,8 +29,6 @@ __all__ = [
     "build_policy",
     "register_policy",
     "CyclicPolicy",
-    "DropBPPolicy",
-    "allocate_drop_rates",
     "DyadicPolicy",
     "FullPolicy",
     "GradNormPolicy",

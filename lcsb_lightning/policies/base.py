@@ -41,9 +41,6 @@ class SelectionPolicy(ABC):
 
     #: Whether the policy needs exactly one of ``layers_per_step`` / ``fraction``.
     needs_size: bool = True
-    #: What the policy selects: ``"block"`` (transformer blocks) or ``"sublayer"`` (each block's attention and
-    #: MLP, numbered ``2 * block`` and ``2 * block + 1``).
-    granularity: str = "block"
     #: The constructor arguments, by attribute, that shape the policy's state (besides ``num_blocks`` and
     #: ``k``): a checkpoint records them, and a policy built with other values refuses it.
     state_args: tuple[str, ...] = ("switch_every",)

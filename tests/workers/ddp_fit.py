@@ -19,7 +19,6 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lcsb_lightning import LCSBCallback  # noqa: E402
-from lcsb_lightning.policies import DropBPPolicy  # noqa: E402
 from tests.conftest import TokenLM, tiny_llama_peft  # noqa: E402
 from tests.workers.common import Record, strided_loader, write_rank  # noqa: E402
 
@@ -27,10 +26,7 @@ from tests.workers.common import Record, strided_loader, write_rank  # noqa: E40
 def fit(out: Path, name: str, policy: str, steps: int, backward: str, extra: str, devices: int, strategy: str) -> None:
     torch.manual_seed(0)
     module = TokenLM(tiny_llama_peft(num_layers=4), lr=5e-3)
-    if policy == "dropbp_sensitivity":  # the sensitivity is measured on each rank's batch, then averaged
-        lcsb = LCSBCallback(DropBPPolicy(allocation="sensitivity", seed=3), backward=backward, log_every_n_steps=0)
-    else:
-        lcsb = LCSBCallback(policy, layers_per_step=1, backward=backward, seed=3, log_every_n_steps=0)
+    lcsb = LCSBCallback(policy, layers_per_step=1, backward=backward, seed=3, log_every_n_steps=0)
     record = Record(lcsb)
     callbacks: list[Callback] = [lcsb, record]
     ckpt_every, ragged = int(extra) if extra.isdigit() else 0, extra == "ragged"
