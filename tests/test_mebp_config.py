@@ -76,7 +76,7 @@ def test_validated_once_and_frozen() -> None:
     assert config.ignore_modules == ("lm_head",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.fmt = "nf4"  # type: ignore[misc]
-    with pytest.raises(ValueError, match=r"`weights='disk'` is not supported; choose one of 'ram', 'mmap'"):
+    with pytest.raises(ValueError, match=r"`weights='disk'` is not supported; choose one of 'auto', 'mmap', 'ram'"):
         dataclasses.replace(config, weights="disk")
 
 
@@ -84,6 +84,8 @@ def test_validated_once_and_frozen() -> None:
 def test_every_mebp_yaml_is_a_valid_config(option: str) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    import lcsb_lightning.recipes.config  # noqa: F401  (stores the schema conf/config.yaml names first)
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         node = compose("config", overrides=[f"mebp={option}", "mebp.group_size=32", "mebp.weights=mmap"]).mebp

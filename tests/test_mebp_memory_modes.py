@@ -10,7 +10,7 @@ import pytest
 import torch
 from _mebp_utils import add_lora, lora_grads, tiny_config, tiny_llama, tokens
 
-from lcsb_lightning.mebp import apply_mebp, chunked_lm_loss, load_compressed, mebp_state
+from lcsb_lightning.mebp import MeBPConfig, apply_mebp, chunked_lm_loss, load_compressed, mebp_state
 from lcsb_lightning.mebp.compressed import CompressedLinear
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -98,8 +98,8 @@ def test_load_compressed_maps_each_tensor_as_it_is_compressed() -> None:
 
 def test_redecompressing_in_backward_gives_the_same_gradients_for_one_more_decompression() -> None:
     base = add_lora(tiny_llama(num_layers=3))
-    kept = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32)
-    lean = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, keep_recomputed_weights=False)
+    kept = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, keep_recomputed_weights=True)
+    lean = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32)  # the default
     _assert_same_training(lean, kept)
     # Above block 0 every Linear's input needs a gradient: kept, the recompute's copy serves the
     # backward; lean, the backward decompresses once more. (Block 0's q/k/v/gate/up see the frozen
@@ -144,7 +144,7 @@ def test_the_heap_is_trimmed_only_after_the_resident_set_grew_by_the_threshold()
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"weights": "disk"}, ValueError, r"`weights='disk'` is not supported; choose one of 'ram', 'mmap'"),
+        ({"weights": "disk"}, ValueError, r"`weights='disk'` is not supported; choose one of 'auto', 'mmap', 'ram'"),
         ({"keep_recomputed_weights": "no"}, TypeError, r"`keep_recomputed_weights` must be a bool, got 'no'"),
         ({"release_heap": 1}, TypeError, r"`release_heap` must be a bool, got 1"),
     ],
@@ -158,3 +158,30 @@ def test_memory_mode_arguments_are_checked_before_any_work(kwargs: dict, error: 
     with pytest.raises(error, match=match):
         QuantizedMeBP(fmt="int4", **kwargs)
     assert mebp_state(model) is None
+
+
+def test_release_heap_fixes_the_mmap_threshold_once_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.mebp import load_compressed
+    from lcsb_lightning.mebp._internal import heap
+
+    if not heap.heap_release_supported():
+        pytest.skip("glibc only")
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(heap, "_glibc", lambda name: (lambda *args: calls.append(args) or 1) if name == "mallopt" else (lambda *args: 0))
+    heap.map_large_allocations.cache_clear()
+    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32, release_heap=False)
+    assert calls == []
+    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32)
+    apply_mebp(add_lora(tiny_llama(num_layers=1)), fmt="int4", group_size=32)
+    assert calls == [(heap._M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD_BYTES)]  # once per process
+    heap.map_large_allocations.cache_clear()
+
+
+@pytest.mark.parametrize(("supported", "resolved"), [(True, "mmap"), (False, "ram")])
+def test_weights_auto_maps_them_where_the_platform_can_release_them(monkeypatch: pytest.MonkeyPatch, supported: bool,
+                                                                    resolved: str) -> None:
+    from lcsb_lightning.mebp import config as config_module
+
+    monkeypatch.setattr(config_module, "mmap_supported", lambda: supported)
+    assert MeBPConfig(fmt="int4").weights == resolved
+    assert MeBPConfig(fmt="int4", weights="ram").weights == "ram"

@@ -1,20 +1,21 @@
-"""Memory study: whole-process peak RSS of one fine-tuning configuration per fresh process.
+"""Memory study, measured as MeBP's and MeSP's authors measure it: peak anonymous memory inside the step.
 
-Arms (per random-init shape, LoRA on every block Linear, batch 1, float32 compute, a Lightning Trainer):
+Each configuration runs in a fresh process (:func:`measure`): a random-init shape built compressed by
+``load_compressed``, peft LoRA on the seven projections, batch 1, a Lightning ``Trainer`` with
+``QuantizedMeBP`` and ``chunked_lm_loss`` (``qlora``: bitsandbytes nf4 through ``from_pretrained``
+and Hugging Face's gradient checkpointing, the usual recipe). A thread samples ``/proc/self/status``
+every ``sample_ms`` so that peaks inside a step count. Reported: the peak ``RssAnon`` above the state
+after imports while loading and while training (the anchors' metric: mmapped weights, clean
+file-backed pages, are not counted), the peak RSS above imports, the whole-process peak RSS and s/step.
 
-=============== ================================================================================
-``qlora``       peft + ``BitsAndBytesConfig(load_in_4bit)`` nf4 + HF gradient checkpointing (the usual recipe)
-``mebp``        ``load_compressed`` + ``QuantizedMeBP``, full backprop, chunked LM-head loss
-``mebp_lcsb``   the same + ``LCSBCallback`` (``fraction`` of the blocks per step, the study's backward mode)
-``mebp_lean``   ``mebp`` with its lower-memory options: ``weights="mmap"``, ``keep_recomputed_weights=False``
-                (the same gradients)
-``mebp_no_trim`` ``mebp`` with ``release_heap=False`` (glibc keeps the freed heap pages resident)
-=============== ================================================================================
-
-Each arm reports the whole-process peak RSS, the RSS right after importing the stack (so that
-``peak - import`` is what the model and training cost), the RSS after loading, the step time and
-QuantizedMeBP's decompression timings. ``malloc: default`` leaves glibc's allocator settings as a user
-has them; ``lean`` runs with ``MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=0``.
+The **breakdown** splits the training peak by owner. The step is cut into windows at block
+boundaries (each block's forward, the loss, each block's recompute and backward, the optimizer
+step); at the start of each window the live tensors are counted by owner and the sampler gives the
+peak inside it. The window holding the peak is reported as: its anonymous memory at the start, split
+into the frozen weights in anonymous memory, LoRA weights, their gradients, optimizer state,
+block-boundary checkpoints, decompression buffers and the rest (the runtime's own objects and
+allocator slack, measured as the difference), plus the window's own growth to the peak (the
+working set of a block's recompute and backward, or of the loss).
 """
 
 from __future__ import annotations
@@ -24,23 +25,176 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-ARMS = ("qlora", "mebp", "mebp_lcsb", "mebp_lean", "mebp_no_trim")
-#: QuantizedMeBP options of the arms that change them.
-ARM_OPTIONS: dict[str, dict[str, Any]] = {
-    "mebp_lean": {"weights": "mmap", "keep_recomputed_weights": False},
-    "mebp_no_trim": {"release_heap": False},
-}
-LEAN_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": "0"}
+#: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_MB = 2**20
 
 
-def _rss_mb() -> float:
-    import psutil
+def read_status() -> dict[str, float]:
+    """``RssAnon`` and ``VmRSS`` of this process in MB (``/proc/self/status``; empty off Linux)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "VmRSS"):
+                    out[key] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
 
-    return psutil.Process().memory_info().rss / 2**20
+
+class PeakSampler:
+    """Samples ``RssAnon`` and ``VmRSS`` every ``period_s`` in a daemon thread; peaks per window.
+
+    ``mark()`` closes the current window (returning its peaks) and opens the next one; the overall
+    peaks since ``reset()`` are :attr:`peak_anon` and :attr:`peak_rss`.
+    """
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reset()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def sample(self) -> dict[str, float]:
+        now = read_status()
+        with self._lock:
+            anon, rss = now.get("RssAnon", 0.0), now.get("VmRSS", 0.0)
+            self.peak_anon, self.peak_rss = max(self.peak_anon, anon), max(self.peak_rss, rss)
+            self.window_anon = max(self.window_anon, anon)
+        return now
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak_anon = self.peak_rss = self.window_anon = 0.0
+
+    def mark(self) -> tuple[float, float]:
+        """``(peak RssAnon of the window just closed, RssAnon now)``, and a new window opened."""
+        now = self.sample().get("RssAnon", 0.0)
+        with self._lock:
+            peak, self.window_anon = self.window_anon, now
+        return peak, now
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _storages(tensors: Iterator[Any]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+class Census:
+    """Live tensor bytes by owner, in MB (each storage counted once, under its first owner)."""
+
+    def __init__(self, model: Any, optimizer_getter: Any) -> None:
+        from lcsb_lightning.mebp import mebp_state
+
+        self.model, self.optimizer_getter = model, optimizer_getter
+        self.state = mebp_state(model)
+        self.checkpoint_inputs: list[weakref.ref] = []
+
+    def __call__(self) -> dict[str, float]:
+        import torch
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        store = self.state.weight_store if self.state is not None else None
+        frozen = [t for t in (*self.model.parameters(), *self.model.buffers()) if not t.requires_grad
+                  and not (store is not None and store.owns(t))]
+        optimizer = self.optimizer_getter()
+        states = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        inputs = [t for ref in self.checkpoint_inputs if (t := ref()) is not None]
+        workspace = self.state.workspace if self.state is not None else None
+        owners = {"lora_weights": _storages(iter(trainable)), "lora_grads": _storages(p.grad for p in trainable),
+                  "optimizer_state": _storages(iter(states)), "weights_anon": _storages(iter(frozen)),
+                  "checkpoints": _storages(iter(inputs)),
+                  "decompression_buffers": _storages(iter(workspace.buffers())) if workspace is not None else {}}
+        seen: set[int] = set()
+        out: dict[str, float] = {}
+        for name, found in owners.items():
+            out[name] = sum(size for ptr, size in found.items() if ptr not in seen) / _MB
+            seen.update(found)
+        return out
+
+
+class StepWindows:
+    """Cuts each training step into windows at block boundaries and records, per window, the anonymous
+    memory at its start, the live tensors by owner there and the peak inside it."""
+
+    def __init__(self, sampler: PeakSampler, census: Census, blocks: list[Any], final_norm: Any) -> None:
+        from lcsb_lightning.mebp._internal.stats import recomputing
+
+        self.sampler, self.census, self.windows = sampler, census, []
+        self._open: dict[str, Any] | None = None
+        self.trim = False
+        for index, block in enumerate(blocks):
+            # the first layer a block runs, in its forward and in its recompute
+            first = getattr(block, "input_layernorm", None) or next(iter(block.children()))
+
+            def pre_hook(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int = index) -> None:
+                import torch
+
+                if not torch.is_grad_enabled():
+                    return
+                if recomputing():
+                    self.open(f"backward block {index}")
+                else:
+                    census.checkpoint_inputs.append(weakref.ref((*args, *kwargs.values())[0]))
+                    self.open(f"forward block {index}")
+
+            first.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        final_norm.register_forward_hook(lambda *_: self.open("loss") if self._open is not None else None)
+
+    def open(self, name: str) -> None:
+        peak, now = self.sampler.mark()
+        if self._open is not None:
+            self._open["peak_anon"] = peak
+            self.windows.append(self._open)
+        if self.trim:  # the breakdown's step: no allocator slack carried into the window
+            from lcsb_lightning.mebp._internal.heap import release_free_heap
+
+            release_free_heap()
+            _, now = self.sampler.mark()
+        self._open = {"window": name, "start_anon": now, "owners": self.census()}
+
+    def close(self) -> None:
+        self.open("end")
+        self._open = None
+        self.census.checkpoint_inputs.clear()
+
+
+def breakdown(windows: list[dict[str, Any]], baseline_anon: float, runtime: float, headline_peak: float) -> dict[str, Any]:
+    """The owners of the training peak ``headline_peak`` (MB above ``baseline_anon``), from the windows of a
+    step whose heap was trimmed at each window start: the live tensors by owner and the working set of
+    the window holding that step's peak; ``runtime`` (the anonymous memory that is not a tensor after
+    loading: Python objects, the libraries' state); allocator slack, the headline peak less that step's."""
+    top = max(windows, key=lambda w: w["peak_anon"])
+    trimmed_peak = top["peak_anon"] - baseline_anon
+    owners = {**top["owners"], "runtime objects": runtime,
+              f"working set ({top['window'].split(' block')[0]})": top["peak_anon"] - top["start_anon"]}
+    unaccounted = trimmed_peak - sum(owners.values())
+    owners["allocator slack"] = headline_peak - trimmed_peak
+    return {"window": top["window"], "owners_mb": {k: round(v, 1) for k, v in owners.items()},
+            "unaccounted_mb": round(unaccounted, 1), "accounted": round(1 - abs(unaccounted) / headline_peak, 3)}
 
 
 def save_random_init(model_config: Mapping[str, Any], folder: Path) -> None:
@@ -54,59 +208,62 @@ def save_random_init(model_config: Mapping[str, Any], folder: Path) -> None:
 
 
 def measure(spec: Mapping[str, Any], out_json: Path, timeout: float | None = None) -> dict[str, Any]:
-    """Run one arm in a fresh interpreter (``python -m lcsb_lightning.bench.memory``) and return its figures."""
+    """Run one configuration in a fresh interpreter (``python -m lcsb_lightning.bench.memory``); its figures."""
     out_json.parent.mkdir(parents=True, exist_ok=True)
     spec_path = out_json.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(dict(spec)))
-    env = dict(os.environ)
-    if spec.get("malloc", "default") == "lean":
-        env.update(LEAN_MALLOC)
     cmd = [sys.executable, "-m", "lcsb_lightning.bench.memory", "--spec", str(spec_path), "--out", str(out_json)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"memory run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
     return json.loads(out_json.read_text())
 
 
-def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
-    import torch  # the import the RSS baseline is read after
-    from lightning.pytorch import Callback, LightningModule, Trainer
+def _load(spec: Mapping[str, Any]) -> tuple[Any, list[Any]]:
+    import torch
     from peft import LoraConfig, get_peft_model
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from lcsb_lightning.recipes.outputs import peak_rss_mb
-
-    rss_after_import = _rss_mb()
-    torch.manual_seed(0)
-    arm, folder, seq = spec["arm"], spec["folder"], int(spec["seq_len"])
-    plugins: list[Any] = []
-    callbacks: list[Any] = []
-    start = time.perf_counter()
-    if arm == "qlora":
+    if spec["arm"] == "qlora":
         from peft import prepare_model_for_kbit_training
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map="cpu", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(spec["folder"], quantization_config=quant, device_map="cpu",
+                                                     dtype=torch.float32)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+        plugins: list[Any] = []
     else:
-        from lcsb_lightning.mebp import MeBPConfig, QuantizedMeBP, load_compressed
-
         from hydra.utils import instantiate
 
-        # Without a saved folder the random init is built from the shape's config, one tensor at a time.
-        source = folder if folder is not None else instantiate(spec["model_config"])
-        config = MeBPConfig(fmt=spec["fmt"], group_size=int(spec["group_size"]), **ARM_OPTIONS.get(arm, {}))
-        model = load_compressed(source, config)
-        plugins.append(QuantizedMeBP(config))
-    rank = int(spec["rank"])
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear"))
-    load_s = time.perf_counter() - start
-    rss_after_load = _rss_mb()
-    if arm == "mebp_lcsb":
-        from lcsb_lightning import LCSBCallback
+        from lcsb_lightning.mebp import MeBPConfig, QuantizedMeBP, load_compressed
 
-        callbacks.append(LCSBCallback("cyclic", fraction=float(spec["fraction"]), backward=spec["backward"], log_every_n_steps=0))
+        config = MeBPConfig(**{"fmt": "int4", **dict(spec.get("options") or {})})
+        model = load_compressed(instantiate(spec["model_config"]), config)
+        plugins = [QuantizedMeBP(config)]
+    rank = int(spec["rank"])
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, lora), plugins
+
+
+def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import torch  # the imports the baseline is read after
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lcsb_lightning.blocks import find_blocks
+    from lcsb_lightning.mebp import chunked_lm_loss
+
+    import peft, transformers  # noqa: F401,E401  (imported before the baseline, as the training needs them)
+
+    sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
+    baseline = read_status()
+    sampler.reset()
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model, plugins = _load(spec)
+    load_s = time.perf_counter() - start
+    load_peak_anon, load_peak_rss = sampler.peak_anon, sampler.peak_rss
+    seq, arm = int(spec["seq_len"]), spec["arm"]
 
     class Module(LightningModule):
         def __init__(self) -> None:
@@ -117,8 +274,6 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
             (ids,) = batch
             if arm == "qlora":
                 return self.model(input_ids=ids, labels=ids).loss
-            from lcsb_lightning.mebp import chunked_lm_loss
-
             causal_lm = self.model.get_base_model()
             hidden = getattr(causal_lm, causal_lm.base_model_prefix)(input_ids=ids).last_hidden_state
             return chunked_lm_loss(hidden, causal_lm.get_output_embeddings(), ids, chunk_size=seq)
@@ -126,43 +281,57 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
+    module = Module()
+    blocks = find_blocks(model)
+    base = model.get_base_model()
+    census = Census(model, lambda: module.trainer.optimizers[0] if module._trainer is not None else None)
+    windows = StepWindows(sampler, census, blocks, getattr(base, base.base_model_prefix).norm)
+    runtime = read_status().get("RssAnon", 0.0) - baseline.get("RssAnon", 0.0) - sum(census().values())
+
     class Steps(Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
-            self.metrics: list[dict[str, float]] = []
+            self.windows: list[list[dict[str, Any]]] = []
 
-        def on_train_batch_start(self, *_: Any) -> None:
+        def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
+            if trainer.global_step == warmup + measured:  # the breakdown's own step, after the measured ones
+                self.peaks = sampler.peak_anon, sampler.peak_rss
+                sampler.reset()
+                windows.trim = True
+            windows.open("step start")
             self._t0 = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
-            self.seconds.append(time.perf_counter() - self._t0)
-            metrics = getattr(trainer.precision_plugin, "last_metrics", None)
-            if metrics:
-                self.metrics.append(dict(metrics))
+        def on_before_optimizer_step(self, *_: Any) -> None:
+            windows.open("optimizer step")
 
-    timer = Steps()
-    warmup, steps = int(spec["warmup"]), int(spec["steps"])
-    vocab = int(model.config.vocab_size)
-    ids = torch.randint(0, vocab, (warmup + steps, seq), generator=torch.Generator().manual_seed(0))
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, plugins=plugins, callbacks=[timer, *callbacks],
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.seconds.append(time.perf_counter() - self._t0)
+            windows.close()
+            self.windows.append(list(windows.windows))
+            windows.windows.clear()
+
+    steps = Steps()
+    warmup, measured = int(spec["warmup"]), int(spec["steps"])
+    ids = torch.randint(0, int(model.config.vocab_size), (warmup + measured + 1, seq), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + measured + 1, plugins=plugins, callbacks=[steps],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Module(), DataLoader(TensorDataset(ids), batch_size=1))
-    measured = timer.seconds[warmup:]
-    peak = peak_rss_mb()
-    result: dict[str, Any] = {
-        "arm": arm, "peak_rss_mb": round(peak, 1), "rss_after_import_mb": round(rss_after_import, 1),
-        "model_and_training_mb": round(peak - rss_after_import, 1), "rss_after_load_mb": round(rss_after_load, 1),
-        "load_s": round(load_s, 2), "step_s": sum(measured) / len(measured), "malloc": spec.get("malloc", "default"),
+    sampler.reset()
+    trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=1))
+    sampler.close()
+    peak_anon, peak_rss = steps.peaks
+    anon0, rss0 = baseline.get("RssAnon", 0.0), baseline.get("VmRSS", 0.0)
+    return {
+        "arm": arm, "options": dict(spec.get("options") or {}), "seq_len": seq,
+        "peak_anon_train_mb": round(peak_anon - anon0, 1), "peak_anon_load_mb": round(load_peak_anon - anon0, 1),
+        "peak_rss_above_import_mb": round(max(peak_rss, load_peak_rss) - rss0, 1),
+        "peak_rss_mb": round(max(peak_rss, load_peak_rss), 1), "rss_after_import_mb": round(rss0, 1),
+        "load_s": round(load_s, 2), "step_s": round(sum(steps.seconds[warmup:-1]) / max(1, measured), 3),
+        "breakdown": breakdown(steps.windows[-1], anon0, runtime, peak_anon - anon0),
     }
-    kept = timer.metrics[warmup:]
-    for key in ("mebp/decompress_fwd_ms", "mebp/decompress_bwd_ms", "mebp/recompute_ms", "mebp/backward_ms"):
-        if kept and key in kept[0]:
-            result[key] = sum(m.get(key, 0.0) for m in kept) / len(kept)
-    return result
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="One arm of the memory study, in this fresh process.")
+    parser = argparse.ArgumentParser(description="One configuration of the memory study, in this fresh process.")
     parser.add_argument("--spec", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()

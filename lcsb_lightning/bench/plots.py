@@ -104,15 +104,16 @@ def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
 
 
 def speed_bars(speed: Sequence[Mapping[str, Any]], memory: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Median step time per shape and arm (speed study) and peak RSS per shape and arm (memory study)."""
+    """Median step time per shape and arm (speed study) and peak anonymous memory per shape and config (memory study)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    memory = [{**r, "shape": f"{r['shape']} {r['seq_len']}", "arm": r["config"]} for r in memory]
     for ax, rows, key, title in ((axes[0], speed, "median_s", "median step time (s)"),
-                                 (axes[1], memory, "peak_rss_mb", "whole-process peak RSS (MiB)")):
+                                 (axes[1], memory, "peak_anon_train_mb", "peak anonymous memory above imports (MB)")):
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        arms = list(dict.fromkeys(f"{r['arm']} {r.get('malloc', '')}".strip() for r in rows))
+        arms = list(dict.fromkeys(r["arm"] for r in rows))
         width = 0.8 / max(1, len(arms))
         for i, arm in enumerate(arms):
-            by_shape = {r["shape"]: r for r in rows if f"{r['arm']} {r.get('malloc', '')}".strip() == arm}
+            by_shape = {r["shape"]: r for r in rows if r["arm"] == arm}
             ax.bar([j + i * width for j in range(len(shapes))], [by_shape.get(s, {}).get(key) or 0 for s in shapes], width, label=arm)
         ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)
         ax.set_title(title)

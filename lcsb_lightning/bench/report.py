@@ -163,11 +163,16 @@ def speed_rows(timing: Mapping[str, Mapping[str, Any]]) -> list[Row]:
     return rows
 
 
-def memory_rows(results: Sequence[Mapping[str, Any]]) -> list[Row]:
-    """One row per memory arm: peak RSS, the part the model and training cost, step time, decompression."""
-    keys = ("peak_rss_mb", "rss_after_import_mb", "model_and_training_mb", "rss_after_load_mb", "step_s",
-            "mebp/decompress_bwd_ms", "mebp/backward_ms")
-    return [{**dict(r["labels"]), **{k: r.get(k) for k in keys}} for r in results]
+def memory_rows(results: Sequence[Mapping[str, Any]], anchors: Mapping[str, Any] | None = None) -> list[Row]:
+    """One row per memory arm: the anchors' metric beside their figures, RSS, s/step and the breakdown."""
+    keys = ("peak_anon_train_mb", "peak_anon_load_mb", "peak_rss_above_import_mb", "peak_rss_mb", "step_s", "breakdown")
+    rows = []
+    for r in results:
+        labels = dict(r["labels"])
+        beside = {f"{name}_mb": (figures.get(labels["shape"]) or {}).get(labels["seq_len"])
+                  for name, figures in (anchors or {}).items()}
+        rows.append({**labels, **{k: r.get(k) for k in keys}, **beside})
+    return rows
 
 
 def stability_grid(results: Sequence[Mapping[str, Any]]) -> list[Row]:
@@ -312,12 +317,20 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                        for r in speed]), ""]
     memory = tables.get("memory") or []
     if memory:
-        out += ["## Memory (one fresh process per arm)", "",
-                "Peak: whole-process peak RSS. Model + training: peak minus the RSS right after importing the stack.", "",
-                table(["shape", "arm", "allocator", "peak RSS (MiB)", "model + training (MiB)", "after load (MiB)", "s/step",
-                       "decompression in backward (ms)"],
-                      [[r["shape"], r["arm"], r["malloc"], _f(r["peak_rss_mb"], ".0f"), _f(r["model_and_training_mb"], ".0f"),
-                        _f(r["rss_after_load_mb"], ".0f"), _f(r["step_s"], ".2f"), _f(r.get("mebp/decompress_bwd_ms"), ".0f")]
+        anchors = [k for k in memory[0] if k.endswith("_mb") and k.split("_")[0] in ("mebp", "mesp")]
+        out += ["## Memory (the anchors' metric; one fresh process per arm)", "",
+                "Peak anonymous memory (RssAnon) inside the step and while loading, above the state after imports; "
+                "peak RSS above imports and whole-process; the anchors' figures beside.", "",
+                table(["shape", "seq", "config", "train anon (MB)", *[a[:-3] + " (MB)" for a in anchors], "load anon (MB)",
+                       "RSS above imports (MB)", "whole RSS (MB)", "s/step"],
+                      [[r["shape"], r["seq_len"], r["config"], _f(r["peak_anon_train_mb"], ".0f"),
+                        *[_f(r.get(a), ".1f") for a in anchors], _f(r["peak_anon_load_mb"], ".0f"),
+                        _f(r["peak_rss_above_import_mb"], ".0f"), _f(r["peak_rss_mb"], ".0f"), _f(r["step_s"], ".2f")]
+                       for r in memory]), "",
+                "Breakdown of each training peak by owner (MB; the window holding the peak):", "",
+                table(["shape", "seq", "config", "window", *memory[0]["breakdown"]["owners_mb"], "accounted"],
+                      [[r["shape"], r["seq_len"], r["config"], r["breakdown"]["window"],
+                        *[_f(v, ".1f") for v in r["breakdown"]["owners_mb"].values()], _f(r["breakdown"].get("accounted"), ".0%")]
                        for r in memory]), ""]
     grid = tables.get("stability") or []
     if grid:

@@ -257,26 +257,24 @@ def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: C
 def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
     from lcsb_lightning.bench import memory
 
+    configs = {**m["configs"], **(m.get("ablations") or {})}
     for arm in arms:  # one fresh process per arm
-        shape = arm.labels["shape"]
+        shape, name = arm.labels["shape"], arm.labels["config"]
         model_config = OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True)
-        folder = root / "memory" / "_models" / slug(shape)
-        spec = {"arm": arm.labels["arm"], "model_config": model_config, "fmt": m["fmt"], "group_size": m.get("group_size", 64),
-                "fraction": m.get("fraction", 0.25), "backward": m.get("backward", "identity"), "seq_len": int(m["seq_len"]),
-                "rank": int(m["rank"]), "warmup": int(m.get("warmup", 1)), "steps": int(m["steps"]),
-                "malloc": arm.labels["malloc"]}
+        options = configs[name]
+        spec = {"arm": "qlora" if options == "qlora" else "mebp", "model_config": model_config,
+                "options": {} if options == "qlora" else {"group_size": 64, **dict(options)},
+                "seq_len": arm.labels["seq_len"], "rank": int(m["rank"]), "warmup": int(m["warmup"]), "steps": int(m["steps"])}
         expected = settings_hash(spec)
         if load_result(root, arm, expected) is not None:
             log.info("memory %s: done with these settings, skipped", arm.name)
             continue
-        if arm.labels["arm"] == "qlora":
-            memory.save_random_init(model_config, folder)
+        if spec["arm"] == "qlora":  # from_pretrained needs a saved folder; load_compressed builds the init itself
+            spec["folder"] = str(root / "memory" / "_models" / slug(shape))
+            memory.save_random_init(model_config, Path(spec["folder"]))
         log.info("memory %s: running in a fresh process", arm.name)
         out = arm_dir(root, arm)
-        if arm.labels["arm"] != "qlora":  # load_compressed builds the random init from the config itself
-            folder = None  # type: ignore[assignment]
-        figures = memory.measure({**spec, "folder": str(folder) if folder else None}, out / "memory.json",
-                                 timeout=m.get("timeout_s"))
+        figures = memory.measure(spec, out / "memory.json", timeout=m.get("timeout_s"))
         atomic_write_json(out / RESULT_NAME, {"study": "memory", "name": arm.name, "labels": dict(arm.labels),
                                               **figures, "settings_hash": expected})
 
@@ -344,7 +342,8 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}
         tables["speed"] = report.speed_rows(timing)
     if "memory" in arms:
-        tables["memory"] = report.memory_rows([r for a in arms["memory"] if (r := load_result(root, a)) is not None])
+        tables["memory"] = report.memory_rows([r for a in arms["memory"] if (r := load_result(root, a)) is not None],
+                                              bench["memory"].get("anchors"))
     if "stability" in arms:
         res = [r for a in arms["stability"] if (r := load_result(root, a)) is not None]
         tables["stability"] = report.stability_grid(res)

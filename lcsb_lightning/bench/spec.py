@@ -157,9 +157,14 @@ def speed_arms(s: Mapping[str, Any]) -> list[Arm]:
 
 
 def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
-    """Expand ``benchmark.memory``: shape x arm (``qlora``, ``mebp``, ``mebp_lcsb``) x allocator setting."""
-    return [Arm("memory", slug(shape, arm, malloc), (), {"shape": shape, "arm": arm, "malloc": malloc})
-            for shape in m["shapes"] for arm in m["arms"] for malloc in m.get("malloc", ["default"])]
+    """Expand ``benchmark.memory``: each shape x its sequence lengths x config, then each ablation
+    (one mechanism undone) at ``ablation_at`` (``[shape, seq_len]``)."""
+    rows = [(shape, int(seq), name) for shape, seqs in m["rows"].items() for seq in seqs for name in m["configs"]]
+    if m.get("ablations"):
+        shape, seq = m["ablation_at"]
+        rows += [(shape, int(seq), name) for name in m["ablations"]]
+    return [Arm("memory", slug(shape, seq, name), (), {"shape": shape, "seq_len": seq, "config": name})
+            for shape, seq, name in rows]
 
 
 def ddp_speed_arms(d: Mapping[str, Any]) -> list[Arm]:

@@ -7,13 +7,16 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from lcsb_lightning.mebp._internal.formats import validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
 
 #: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
 OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
-#: Where the compressed weights live: process memory, or memory-mapped files released after each use.
-WEIGHT_STORAGE: tuple[str, ...] = ("ram", "mmap")
+#: Where the compressed weights live: memory-mapped files released after each use where the platform
+#: can release them (``auto``), memory-mapped files, or process memory.
+WEIGHT_STORAGE: tuple[str, ...] = ("auto", "mmap", "ram")
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -38,16 +41,19 @@ class MeBPConfig:
         compress_embeddings: Also compress the input embedding and LM head.
         ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
-        weights: ``"ram"`` keeps the compressed weights in process memory; ``"mmap"`` writes them to
-            memory-mapped files and drops each layer's pages from the process after it ran (CPU,
-            Linux/macOS).
+        weights: ``"mmap"`` writes the compressed weights to memory-mapped files and drops each
+            layer's pages from the process after it ran, as MeBP reads them from flash (CPU,
+            Linux/macOS); ``"ram"`` keeps them in process memory; ``"auto"`` (the default) is
+            ``"mmap"`` where the platform has ``madvise``, else ``"ram"``.
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
-            backward recompute until that Linear's backward (one backward decompression per layer).
-            ``False`` decompresses it again there instead: the same gradients, bit for bit, with at
-            most one layer's float weight alive at a time, for one more decompression per layer.
-        release_heap: On CPU, return freed heap memory to the OS before each block runs and before
-            its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
-            from step to step, for a few percent of step time.
+            backward recompute until that Linear's backward (one backward decompression per layer,
+            every Linear of the block decompressed at once). ``False`` (the default) decompresses it
+            again there instead: the same gradients, bit for bit, with at most one layer's float
+            weight alive at a time, for one more decompression per layer.
+        release_heap: On CPU, return freed heap memory to the OS: allocations of 256 KiB and more
+            get pages of their own (glibc's mmap threshold, fixed once per process) and the heap is
+            trimmed before each block runs and before its recompute (``malloc_trim``); the resident
+            set stays flat instead of growing from step to step.
         offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
         sync_timing: Synchronise the device before and after every timed decompression, recompute and
             backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
@@ -74,8 +80,8 @@ class MeBPConfig:
     offload: str = "none"
     compress_embeddings: bool = True
     ignore_modules: tuple[str, ...] = ()
-    weights: str = "ram"
-    keep_recomputed_weights: bool = True
+    weights: str = "auto"
+    keep_recomputed_weights: bool = False
     release_heap: bool = True
     offload_dir: str | None = None
     sync_timing: bool = False
@@ -91,6 +97,10 @@ class MeBPConfig:
             raise ValueError(f"`weights={self.weights!r}` is not supported; choose one of {_choices(WEIGHT_STORAGE)}.")
         if self.weights == "mmap" and not mmap_supported():
             raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
+        if self.weights == "auto":
+            if not mmap_supported():
+                rank_zero_info("MeBPConfig: weights='auto' keeps the compressed weights in RAM here (no madvise).")
+            object.__setattr__(self, "weights", "mmap" if mmap_supported() else "ram")
         names: Any = self.ignore_modules
         if not isinstance(names, str) and isinstance(names, Iterable):
             names = tuple(names)  # a list, a generator, or Hydra's ListConfig

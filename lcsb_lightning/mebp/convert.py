@@ -12,6 +12,7 @@ from torch import nn
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
 from lcsb_lightning.mebp._internal.checkpoint import install_block_wrappers
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize
+from lcsb_lightning.mebp._internal.heap import map_large_allocations
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights
@@ -233,6 +234,8 @@ def apply_mebp(
         'CompressedLinear'
     """
     config = build_config(config, options, "apply_mebp")
+    if config.release_heap:  # before any step: a heap that already served large blocks keeps serving them
+        map_large_allocations()
     if mebp_state(model) is not None:
         raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")
     found = find_blocks(model, blocks)

@@ -24,7 +24,7 @@ from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into
-from lcsb_lightning.mebp._internal.heap import release_free_heap
+from lcsb_lightning.mebp._internal.heap import map_large_allocations, release_free_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights
 from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
@@ -129,6 +129,8 @@ def load_compressed(
         'CompressedLinear'
     """
     config = build_config(config, options, "load_compressed")
+    if config.release_heap:  # before the loading's chunks: the heap must not hold them to serve later
+        map_large_allocations()
     model_config, kind, path, reader = _resolve(source, gguf_file)
     model = _meta_model(model_config, dtype)
     found = find_blocks(model)

@@ -81,7 +81,7 @@ class QuantizedMeBP(Precision):
         offload: Literal["none", "mmap"] | None = None,
         compress_embeddings: bool | None = None,
         ignore_modules: Sequence[str] | None = None,
-        weights: Literal["ram", "mmap"] | None = None,
+        weights: Literal["auto", "mmap", "ram"] | None = None,
         keep_recomputed_weights: bool | None = None,
         release_heap: bool | None = None,
         offload_dir: str | None = None,

@@ -85,6 +85,11 @@ class DecompressionWorkspace:
             if len(free) > self.max_free_per_key:  # drop the smallest
                 del free[min(range(len(free)), key=lambda i: free[i].numel())]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer this workspace keeps free or has lent out."""
+        with self._lock:
+            return [flat for free in self._free.values() for flat in free] + list(self._lent.values())
+
     def free_bytes(self) -> int:
         """Bytes held in free buffers."""
         with self._lock:
