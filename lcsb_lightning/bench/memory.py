@@ -127,7 +127,7 @@ class Census:
         owners = {"lora_weights": _storages(iter(trainable)), "lora_grads": _storages(p.grad for p in trainable),
                   "optimizer_state": _storages(iter(states)), "weights_anon": _storages(iter(frozen)),
                   "checkpoints": _storages(iter(inputs)),
-                  "decompression_buffers": _storages(iter(workspace.buffers())) if workspace is not None else {}}
+                  "decompression_buffers": _storages(iter(getattr(workspace, "buffers", list)()))}
         seen: set[int] = set()
         out: dict[str, float] = {}
         for name, found in owners.items():

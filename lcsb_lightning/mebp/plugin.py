@@ -148,6 +148,9 @@ class QuantizedMeBP(Precision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model, closure, **kwargs)
+        # Lightning zeroes the gradients between the next forward and its backward; freed now, they
+        # are not held through that forward, where the peak of a step with few trainable blocks is.
+        optimizer.zero_grad(set_to_none=True)
         self.last_metrics = self.stats.as_dict()
         self.stats.reset()
         trainer = getattr(model, "_trainer", None)

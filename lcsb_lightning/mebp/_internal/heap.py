@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable
 
 #: Growth of the resident set since the last trim that triggers the next one.
-RELEASE_THRESHOLD_BYTES = 64 << 20
+RELEASE_THRESHOLD_BYTES = 16 << 20
 #: Allocations at least this large get pages of their own, returned to the OS when freed.
 MMAP_THRESHOLD_BYTES = 256 << 10
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
