@@ -160,7 +160,7 @@ def test_memory_mode_arguments_are_checked_before_any_work(kwargs: dict, error: 
     assert mebp_state(model) is None
 
 
-def test_release_heap_fixes_the_mmap_threshold_once_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_map_large_allocations_fixes_the_mmap_threshold_once_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     from lcsb_lightning.mebp import load_compressed
     from lcsb_lightning.mebp._internal import heap
 
@@ -169,10 +169,10 @@ def test_release_heap_fixes_the_mmap_threshold_once_before_loading(monkeypatch: 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(heap, "_glibc", lambda name: (lambda *args: calls.append(args) or 1) if name == "mallopt" else (lambda *args: 0))
     heap.map_large_allocations.cache_clear()
-    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32, release_heap=False)
+    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32)  # off by default
     assert calls == []
-    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32)
-    apply_mebp(add_lora(tiny_llama(num_layers=1)), fmt="int4", group_size=32)
+    load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32, map_large_allocations=True)
+    apply_mebp(add_lora(tiny_llama(num_layers=1)), fmt="int4", group_size=32, map_large_allocations=True)
     assert calls == [(heap._M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD_BYTES)]  # once per process
     heap.map_large_allocations.cache_clear()
 

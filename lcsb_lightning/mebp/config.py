@@ -50,10 +50,13 @@ class MeBPConfig:
             every Linear of the block decompressed at once). ``False`` (the default) decompresses it
             again there instead: the same gradients, bit for bit, with at most one layer's float
             weight alive at a time, for one more decompression per layer.
-        release_heap: On CPU, return freed heap memory to the OS: allocations of 256 KiB and more
-            get pages of their own (glibc's mmap threshold, fixed once per process) and the heap is
-            trimmed before each block runs and before its recompute (``malloc_trim``); the resident
-            set stays flat instead of growing from step to step.
+        release_heap: On CPU, return freed heap memory to the OS before each block runs and before
+            its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
+            from step to step, for a few percent of step time.
+        map_large_allocations: On CPU, give every allocation of 256 KiB and more pages of its own,
+            returned to the OS when it is freed (glibc's mmap threshold, fixed for the whole process
+            from the conversion on): no freed activation stays resident, for page faults at every
+            allocation (a lower peak, a slower step: docs/mebp.md).
         offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
         sync_timing: Synchronise the device before and after every timed decompression, recompute and
             backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
@@ -83,12 +86,14 @@ class MeBPConfig:
     weights: str = "auto"
     keep_recomputed_weights: bool = False
     release_heap: bool = True
+    map_large_allocations: bool = False
     offload_dir: str | None = None
     sync_timing: bool = False
 
     def __post_init__(self) -> None:
         validate_format(self.fmt, self.group_size)
-        for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "compress_embeddings", "sync_timing"):
+        for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "map_large_allocations",
+                     "compress_embeddings", "sync_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.offload not in OFFLOAD_MODES:

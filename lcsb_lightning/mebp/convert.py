@@ -234,7 +234,7 @@ def apply_mebp(
         'CompressedLinear'
     """
     config = build_config(config, options, "apply_mebp")
-    if config.release_heap:  # before any step: a heap that already served large blocks keeps serving them
+    if config.map_large_allocations:  # before any step: a heap that already served large blocks keeps serving them
         map_large_allocations()
     if mebp_state(model) is not None:
         raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")

@@ -129,7 +129,7 @@ def load_compressed(
         'CompressedLinear'
     """
     config = build_config(config, options, "load_compressed")
-    if config.release_heap:  # before the loading's chunks: the heap must not hold them to serve later
+    if config.map_large_allocations:  # before the loading's chunks: the heap must not hold them to serve later
         map_large_allocations()
     model_config, kind, path, reader = _resolve(source, gguf_file)
     model = _meta_model(model_config, dtype)

@@ -57,7 +57,7 @@ class QuantizedMeBP(Precision):
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
         fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
-            keep_recomputed_weights, release_heap, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
+            keep_recomputed_weights, release_heap, map_large_allocations, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
             fields (its docstring has what each does and its default), explicit for LightningCLI: without
             ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
             instantiates it); ``None`` keeps the config's value.
@@ -84,6 +84,7 @@ class QuantizedMeBP(Precision):
         weights: Literal["auto", "mmap", "ram"] | None = None,
         keep_recomputed_weights: bool | None = None,
         release_heap: bool | None = None,
+        map_large_allocations: bool | None = None,
         offload_dir: str | None = None,
         sync_timing: bool | None = None,
     ) -> None:

@@ -11,9 +11,10 @@ re-faulting the same pages at every block. The state is per process, as the heap
 glibc also serves an allocation above its mmap threshold from pages of its own, returned to the OS
 when freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so
 after the first step a block's activations and decompressed weights come from the heap, where their
-freed pages stay resident between trims. :func:`map_large_allocations` fixes the threshold at
-:data:`MMAP_THRESHOLD_BYTES` (``mallopt(M_MMAP_THRESHOLD)``), once per process: on the Qwen2.5-0.5B
-shape at seq 256 that took 52 MB off the training peak (docs/results.md, "Phone-class memory").
+freed pages stay resident between trims. :func:`map_large_allocations` (``MeBPConfig.map_large_allocations``)
+fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (``mallopt(M_MMAP_THRESHOLD)``), once per process:
+every large allocation then faults its pages in afresh, which lowers the peak and slows the step
+(docs/mebp.md, "Memory").
 """
 
 from __future__ import annotations
