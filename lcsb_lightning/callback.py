@@ -65,34 +65,23 @@ class LCSBCallback(FitScopedCallback):
         layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
             cyclic, random, grad_norm, top_only).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
-        backward: ``"all_reached"``: the backward runs exactly from the top down to the lowest selected
-            block and stops there, and every block it reaches trains with its exact gradient (it costs
-            their LoRA weight gradients, rank-r matmuls, and nothing below). ``"selected_only"``: the
-            same backward, but only the selected blocks train. ``"identity"`` (the paper's): a
-            non-selected block runs under ``no_grad`` and its output enters the graph with an identity
-            Jacobian, so it costs no backward, no recompute and no weight decompression, but the
-            gradients of the blocks below it are approximations (poor ones on deep models: docs/results.md).
-        unreached: what a trainable tensor that this step's backward did not reach gets as its gradient.
-            ``"skip_below"`` (the default): a block gets a zero gradient, so AdamW's momentum and weight
-            decay keep moving it (the paper's implicit updates; measured worth 1.5x the steps against no
-            update); a tensor below the first block (an untied input embedding, trainable as peft's
-            ``modules_to_save``) gets none, so the optimizer leaves it alone until a backward reaches it
-            again: on the real SmolLM2 it learns the same as a zero gradient (eval loss 3.191 against
-            3.190 after 200 steps) and makes the step 1.28x cheaper (docs/results.md). ``"implicit"``:
-            a zero gradient for both (the paper's rule everywhere). An embedding tied to the head gets
-            the head's gradient at every step either way.
+        backward: ``"all_reached"``: the exact backward from the top down to the lowest selected block,
+            and every block it reaches trains. ``"selected_only"``: the same backward, only the selected
+            blocks train. ``"identity"`` (the paper's): a non-selected block runs under ``no_grad`` with an
+            identity Jacobian (no backward, recompute or decompression; approximate gradients below it).
+        unreached: what a trainable tensor this step's backward did not reach gets. ``"skip_below"``: a
+            block a zero gradient (AdamW keeps moving it), a tensor below the first block (an untied
+            embedding) none; ``"implicit"``: a zero gradient for both (the paper's). A tied embedding gets
+            the head's gradient either way.
         blocks: ``"auto"``, a dotted path to the block ``ModuleList`` or a callable ``model -> blocks``.
         switch_every: optimizer steps between re-selections of a policy built by name (default 1).
         seed: seed of the generator of a policy built by name (default 0). A
             :class:`~lcsb_lightning.policies.SelectionPolicy` instance carries its own ``switch_every``
             and ``seed``: giving either with one is refused.
         log_every_n_steps: optimizer steps between block-selection images (``0`` disables them).
-        probe_every: every this many optimizer steps (``0``: never), compute the exact gradient once
-            more on the same batch and log, per trained block, the cosine and the norm ratio of the
-            gradient the step used against it (``lcsb/probe/cos/block_NN``,
-            ``lcsb/probe/norm_ratio/block_NN`` and an image ``lcsb/probe``). It costs one more forward
-            and full backward on those steps; pick it coprime with the number of groups so that every
-            group gets probed. :attr:`probe_results` keeps the measurements.
+        probe_every: every this many optimizer steps (``0``: never), the exact gradient once more on the
+            same batch (one more forward and full backward), and per trained block the cosine and norm ratio
+            of the step's gradient to it (``lcsb/probe/*``; kept in :attr:`probe_results`).
 
     Multiple processes: every rank selects the same blocks (the policy state is seeded and the
     gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets

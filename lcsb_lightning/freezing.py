@@ -64,12 +64,8 @@ class ProgressiveFreezing(FitScopedCallback):
     unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
     An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
 
-    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` turns on every
-    parameter of a module (a frozen block's base weights, which a LoRA run never trains, too), its
-    restore replaces the optimizer's ``param_groups`` with the ones it recorded (this callback never
-    changes them), and its ``finetune_function`` runs from ``on_train_epoch_start``, which Lightning skips
-    when it resumes mid-epoch (a resumed frozen epoch would train the frozen blocks until it ends). What
-    it would share (``requires_grad`` off and on) is the few lines of :meth:`_freeze_params` and :meth:`_release`.
+    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` would also turn on
+    the base weights, and its ``finetune_function`` is skipped when Lightning resumes mid-epoch.
 
     Args:
         schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that

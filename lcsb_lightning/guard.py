@@ -52,10 +52,8 @@ class DivergenceGuard(Callback):
     wrapper runs the closure (forward, backward and every callback's hook) first, and calls the real
     ``step`` only if the guard let the step through. The wrapper is removed when the fit ends.
 
-    Several processes: every rank decides the same. The loss (the mean over ranks: the loss of the
-    global batch) and the non-finite flags are all-reduced once per step before the check, so the
-    running statistic and every decision are identical on every rank: a fault one rank sees is
-    skipped, rolled back or stopped on all of them.
+    Several processes: the loss (mean over ranks) and the non-finite flags are all-reduced before the
+    check, so every rank decides the same.
 
     Every event goes to the loggers (``guard/events``) and to :attr:`events`.
 

@@ -30,14 +30,7 @@ SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 
 @dataclass
 class ModelBundle:
-    """A causal LM together with its tokenizer.
-
-    Attributes:
-        model: The Hugging Face causal LM (``PreTrainedModel``).
-        tokenizer: A ``PreTrainedTokenizerBase`` with ``pad_token_id`` and ``eos_token_id`` set.
-        max_positions: The model's context length (``max_position_embeddings``).
-        name: A short human-readable name, written to ``summary.json``.
-    """
+    """A causal LM, its tokenizer (pad and EOS tokens set), its context length and a name for ``summary.json``."""
 
     model: nn.Module
     tokenizer: Any
@@ -104,18 +97,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
-    """Convert a GGUF checkpoint to a Hugging Face folder under ``target``, atomically.
-
-    The model and tokenizer are written to a temporary sibling directory and renamed into place
-    only when complete, so an interrupted conversion never leaves a broken cache.
-
-    Args:
-        gguf: The GGUF file.
-        target: The cache folder to create.
-
-    Returns:
-        ``target``.
-    """
+    """Convert a GGUF checkpoint to a Hugging Face folder ``target`` (returned), atomically: written to a
+    temporary sibling and renamed into place when complete, so an interrupted conversion leaves no broken cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -149,11 +132,7 @@ HUB_PROBE_TIMEOUT_S = 2.0
 
 
 def _probe_hub(endpoint: str, timeout: float) -> None:
-    """One HEAD request to ``endpoint`` through huggingface_hub's client (its proxies and certificates).
-
-    Raises:
-        Exception: the hub did not answer, or answered with a server error.
-    """
+    """One HEAD request to ``endpoint`` through huggingface_hub's client; raises if it fails or is a server error."""
     from huggingface_hub.utils import get_session
 
     response = get_session().head(endpoint, timeout=timeout, follow_redirects=True)
@@ -193,14 +172,6 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
     else one request with a 2 s timeout); when it cannot, only the local Hugging Face cache is read.
     One info line says where the model comes from. Each process decides for itself: a DDP run whose ranks
     decided differently is refused (:class:`SameWeightsOnEveryRank`); pin ``hub`` or ``gguf`` there.
-
-    Args:
-        source: ``auto``, ``hub`` or ``gguf``.
-        cache_dir: Parent folder of the converted GGUF cache.
-        dtype: Compute dtype of the loaded weights.
-
-    Returns:
-        The model bundle.
 
     Raises:
         OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
@@ -263,19 +234,8 @@ def from_pretrained(
     trust_remote_code: bool = False,
     local_files_only: bool = False,
 ) -> ModelBundle:
-    """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file in a folder.
-
-    Args:
-        name_or_path: Folder or hub id. A path to a ``.gguf`` file is split into folder and file.
-        gguf_file: GGUF file name inside ``name_or_path``.
-        tokenizer: Tokenizer folder or hub id when it differs from the model's.
-        dtype: Compute dtype.
-        trust_remote_code: Passed to ``from_pretrained``.
-        local_files_only: Read a hub id from the local Hugging Face cache only (no network).
-
-    Returns:
-        The model bundle.
-    """
+    """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file (a path to a
+    ``.gguf`` file, or ``gguf_file`` in the folder); ``tokenizer``: its folder or hub id where it differs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.endswith(".gguf") and gguf_file is None:
@@ -305,17 +265,8 @@ def random_init(
 
     For speed and memory studies only: the weights are random, so the loss starts near ``log(vocab)``.
     The tokenizer needs no files: one id per UTF-8 byte (byte + 3) after ``<pad>`` (0), ``</s>`` (1) and
-    ``<unk>`` (2), then 125 ``<extra_id_N>``; ``len(tokenizer)`` (384) ids in all.
-
-    Args:
-        config: A ``transformers.PretrainedConfig`` (instantiated from the YAML's ``_target_``).
-        name: Name written to ``summary.json``.
-        seed: Seed of the initialisation.
-        init_device: ``"cpu"``, or ``"meta"`` to build the shape without memory (tests, parameter counts).
-        dtype: Parameter dtype.
-
-    Returns:
-        The model bundle.
+    ``<unk>`` (2), then 125 ``<extra_id_N>``; ``len(tokenizer)`` (384) ids in all. ``init_device="meta"``
+    builds the shape without memory (tests, parameter counts).
     """
     from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
