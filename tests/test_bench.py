@@ -114,7 +114,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("time_to_quality", {"recipe_speed": 3, "quality": 30}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
-    ("full", {"recipe_speed": 3, "quality": 15, "speed": 9, "memory": 9, "stability": 54, "ddp_speed": 3}),
+    ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54, "ddp_speed": 3}),
     ("memory_anchor", {"memory": 15}),
     ("cost_model", {"cost_model": 8}),
 ])
@@ -206,13 +206,12 @@ def test_task_metric_and_rel_change() -> None:
     assert report.rel_change(None, 1.0) is None and report.rel_change(math.nan, 1.0) is None
 
 
-def test_speed_rows_speedup_and_amdahl_bound() -> None:
-    timing = {"s": {"arms": {"full": {"median_s": 4.0, "steps_per_s": 0.25, "k": 8},
-                             "cyclic_n4": {"median_s": 2.0, "steps_per_s": 0.5, "k": 2}},
-                    "forward_median_s": 1.0, "num_blocks": 8}}
-    rows = {r["arm"]: r for r in report.speed_rows(timing)}
-    assert rows["cyclic_n4"]["speedup"] == pytest.approx(2.0)
-    assert rows["cyclic_n4"]["amdahl_bound"] == pytest.approx(4.0 / (1.0 + 3.0 * 2 / 8))
+def test_memory_table_gets_its_bar_plot(tmp_path: Path) -> None:
+    from lcsb_lightning.bench.runner import make_plots
+
+    rows = [{"shape": "s", "seq_len": 8, "config": c, "peak_anon_train_mb": mb} for c, mb in (("qlora", 9.0), ("lean", 4.0))]
+    assert make_plots(tmp_path, {"memory": rows}, {}) == ["plots/memory.png"]
+    assert (tmp_path / "plots" / "memory.png").stat().st_size > 1000
 
 
 def test_recipe_speed_rows_and_step_seconds() -> None:
@@ -517,44 +516,3 @@ def test_recipe_speed_gives_arms_that_build_different_models_their_own_model(
             ["model=tiny", "seq_len=32", "task.max_train_examples=64"],
             compose_ft, rounds=2, steps_per_round=4, out_dir=str(tmp_path))
     assert [mebp_state(p.module) is None for p in prepared] == [True, False]  # float and dyadic share one model
-
-
-@pytest.mark.parametrize(
-    ("times", "cycle", "expected"),
-    [
-        ([4.0, 1.0, 1.0, 1.0] * 3, 4, 1.75),            # a cyclic arm whose bottom group's step reaches every block
-        ([4.0, 1.0, 1.0, 1.0] * 2 + [30.0] * 4, 4, 1.75),  # a disturbed cycle does not count
-        ([1.0, 4.0, 1.0, 1.0, 1.0], 4, 1.75),            # any window of a whole cycle; the leftover step is left out
-        ([2.0, 2.0, 5.0], 1, 2.0),                       # constant cost: the median step
-    ],
-)
-def test_speed_study_step_time_is_the_mean_of_whole_cycles(times: list, cycle: int, expected: float) -> None:
-    from lcsb_lightning.bench.speed import whole_cycle_step_time
-
-    assert whole_cycle_step_time(times, cycle) == pytest.approx(expected)
-
-
-def test_speed_study_refuses_fewer_steps_than_a_cycle() -> None:
-    from lcsb_lightning.bench.speed import whole_cycle_step_time
-
-    with pytest.raises(ValueError, match="3 timed steps do not cover one cycle of 4 steps"):
-        whole_cycle_step_time([1.0, 2.0, 3.0], 4)
-
-
-def test_speed_study_refuses_too_few_steps_before_timing() -> None:
-    import torch
-
-    from lcsb_lightning.bench import speed
-
-    config = {"_target_": "transformers.LlamaConfig", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
-    model = speed.build_model(config, fmt="int4", rank=2, seed=0, group_size=32)
-    timed: list[str] = []  # the log gets a line per timed round
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.raises(ValueError, match=r"`steps=2` do not cover one cycle .*'cyclic': 4.*at least 4 steps"):
-            speed.time_arms(model, {"full": 1.0, "cyclic": 0.25}, seq_len=8, steps=2, vocab=64, log=timed.append)
-    finally:
-        torch.set_num_threads(before)
-    assert timed == []  # refused after the warm-up (which sets the policies up), before the first timed round

@@ -1,4 +1,4 @@
-"""PNG figures of the benchmark (matplotlib, Agg backend): loss curves, speed and memory bars,
+"""PNG figures of the benchmark (matplotlib, Agg backend): loss curves, memory bars,
 the block-selection heatmap and the divergence grid."""
 
 from __future__ import annotations
@@ -103,22 +103,19 @@ def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def speed_bars(speed: Sequence[Mapping[str, Any]], memory: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Median step time per shape and arm (speed study) and peak anonymous memory per shape and config (memory study)."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    memory = [{**r, "shape": f"{r['shape']} {r['seq_len']}", "arm": r["config"]} for r in memory]
-    for ax, rows, key, title in ((axes[0], speed, "median_s", "median step time (s)"),
-                                 (axes[1], memory, "peak_anon_train_mb", "peak anonymous memory above imports (MB)")):
-        shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        arms = list(dict.fromkeys(r["arm"] for r in rows))
-        width = 0.8 / max(1, len(arms))
-        for i, arm in enumerate(arms):
-            by_shape = {r["shape"]: r for r in rows if r["arm"] == arm}
-            ax.bar([j + i * width for j in range(len(shapes))], [by_shape.get(s, {}).get(key) or 0 for s in shapes], width, label=arm)
-        ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)
-        ax.set_title(title)
-        if arms:
-            ax.legend(fontsize=7)
+def memory_bars(memory: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Peak anonymous memory above imports per shape (and sequence length) and config (memory study)."""
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    shapes = list(dict.fromkeys(f"{r['shape']} {r['seq_len']}" for r in memory))
+    configs = list(dict.fromkeys(r["config"] for r in memory))
+    width = 0.8 / max(1, len(configs))
+    for i, config in enumerate(configs):
+        by_shape = {f"{r['shape']} {r['seq_len']}": r for r in memory if r["config"] == config}
+        ax.bar([j + i * width for j in range(len(shapes))],
+               [by_shape.get(s, {}).get("peak_anon_train_mb") or 0 for s in shapes], width, label=config)
+    ax.set_xticks([j + width * (len(configs) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)
+    ax.set_title("peak anonymous memory above imports (MB)")
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 

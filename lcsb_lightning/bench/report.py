@@ -141,28 +141,6 @@ def step_seconds(recipe_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, st
     return {(r["task"], r["arm"]): r["step_s"] for r in recipe_rows if r.get("step_s")}
 
 
-def speed_rows(timing: Mapping[str, Mapping[str, Any]]) -> list[Row]:
-    """One row per shape x arm: median step time, steps/s, speed-up vs ``full`` and the Amdahl bound.
-
-    The bound of an arm training k of N blocks is ``T_full / (T_fwd + (T_full - T_fwd) * k / N)``,
-    from the same process's forward-only time.
-    """
-    rows: list[Row] = []
-    for shape, t in timing.items():
-        arms = t["arms"]
-        full = arms.get("full", {}).get("median_s")
-        t_fwd, n = t.get("forward_median_s"), t.get("num_blocks") or 0
-        for name, a in arms.items():
-            k = a.get("k")
-            bound = full / (t_fwd + (full - t_fwd) * k / n) if full and t_fwd is not None and k and n else None
-            rows.append({
-                "shape": shape, "arm": name, "k": k, "num_blocks": n, "median_s": a["median_s"],
-                "steps_per_s": a["steps_per_s"], "speedup": (full / a["median_s"]) if full else None,
-                "amdahl_bound": bound, "loadavg": [t.get("loadavg_before"), t.get("loadavg_after")],
-            })
-    return rows
-
-
 def memory_rows(results: Sequence[Mapping[str, Any]], anchors: Mapping[str, Any] | None = None) -> list[Row]:
     """One row per memory arm: the anchors' metric beside their figures, RSS, s/step and the breakdown."""
     keys = ("peak_anon_train_mb", "peak_anon_load_mb", "peak_rss_above_import_mb", "peak_rss_mb", "step_s", "breakdown")
@@ -308,13 +286,6 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
     for study, title in (("quality", "Quality"), ("ablation", "Ablations")):
         if tables.get(study):
             out += _finetune_section(title, tables[study], tables.get(f"{study}_probes") or [])
-    speed = tables.get("speed") or []
-    if speed:
-        out += ["## Speed of the random-init shapes (QuantizedMeBP, LoRA; medians, arms alternating in one process)", "",
-                table(["shape", "arm", "k/N", "step (s)", "steps/s", "speed-up", "Amdahl bound"],
-                      [[r["shape"], r["arm"], f"{r.get('k')}/{r.get('num_blocks')}", _f(r.get("median_s")),
-                        _f(r.get("steps_per_s")), _f(r.get("speedup"), ".2f", "x"), _f(r.get("amdahl_bound"), ".2f", "x")]
-                       for r in speed]), ""]
     memory = tables.get("memory") or []
     if memory:
         anchors = [k for k in memory[0] if k.endswith("_mb") and k.split("_")[0] in ("mebp", "mesp")]

@@ -28,7 +28,7 @@ from lcsb_lightning.bench.time_to_quality import (
 )
 from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
-    recipe_speed_arms, settings_hash, slug, speed_arms, stability_arms, without_disabled_arms,
+    recipe_speed_arms, settings_hash, slug, stability_arms, without_disabled_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
@@ -53,7 +53,7 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
         raise ValueError(f"benchmark.studies names {missing} but the benchmark config has no such section")
     expand: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
         "quality": lambda c: finetune_arms("quality", c), "ablation": lambda c: finetune_arms("ablation", c),
-        "recipe_speed": recipe_speed_arms, "speed": speed_arms, "memory": memory_arms, "stability": stability_arms,
+        "recipe_speed": recipe_speed_arms, "memory": memory_arms, "stability": stability_arms,
         "ddp_speed": ddp_speed_arms, "cost_model": cost_model.arms,
     }
     arms = {s: expand[s](bench[s]) for s in studies}
@@ -221,39 +221,6 @@ def _run_recipe_speed(arms: Sequence[Arm], r: Mapping[str, Any], root: Path, com
         gc.collect()
 
 
-def _run_speed(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
-    from lcsb_lightning.bench import speed
-
-    chunk = s.get("chunk_size") or None
-    shapes = list(dict.fromkeys(a.labels["shape"] for a in arms))
-    configs: dict[str, Any] = {}
-
-    def model_cfg(shape: str) -> Any:  # composed only when an arm of that shape still has to run
-        if shape not in configs:
-            configs[shape] = OmegaConf.to_container(compose([f"model={shape}"]).model.config, resolve=True)
-        return configs[shape]
-
-    backward = s.get("backward", "identity")
-    fractions = {name: float(f) for name, f in s["arms"].items()}
-    for shape in shapes:
-        timing = Arm("speed", slug(shape, "timing"))
-        settings = {"shape": model_cfg(shape), "fmt": s["fmt"], "rank": s["rank"], "fractions": fractions,
-                    "seq_len": s["seq_len"], "steps": s["steps"], "warmup": s.get("warmup", 1), "chunk": chunk,
-                    "backward": backward}
-        expected = settings_hash(settings)
-        if load_result(root, timing, expected) is not None:
-            log.info("speed timing %s: done with these settings, skipped", shape)
-            continue
-        log.info("speed timing %s: building the model, then %s alternating steps per arm", shape, s["steps"])
-        model = speed.build_model(model_cfg(shape), s["fmt"], int(s["rank"]), seed=0)
-        out = speed.time_arms(model, fractions, int(s["seq_len"]), int(s["steps"]), int(s.get("warmup", 1)),
-                              chunk, vocab=min(256, int(model_cfg(shape)["vocab_size"])), log=log.info, backward=backward)
-        del model
-        gc.collect()
-        atomic_write_json(arm_dir(root, timing) / RESULT_NAME,
-                          {"study": "speed", "name": timing.name, "shape": shape, **out, "settings_hash": expected})
-
-
 def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
     from lcsb_lightning.bench import memory
 
@@ -298,7 +265,7 @@ def _run_ddp_speed(arms: Sequence[Arm], d: Mapping[str, Any], root: Path, compos
 
 RUNNERS: dict[str, Callable[..., None]] = {
     "recipe_speed": _run_recipe_speed, "quality": _run_finetune_study, "ablation": _run_finetune_study,
-    "speed": _run_speed, "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
+    "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
     "cost_model": cost_model.run,
 }
 
@@ -337,10 +304,6 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
             tables["time_to_quality_by_share"] = ratios_by_share(raw, seconds, list(q["other_shares"]))
         if q.get("steps_per_epoch"):
             tables["step_time_by_epoch"] = step_time_by_epoch(tables["_quality_raw"], int(q["steps_per_epoch"]))
-    if "speed" in arms:
-        shapes = list(dict.fromkeys(a.labels["shape"] for a in arms["speed"]))
-        timing = {s: r for s in shapes if (r := load_result(root, Arm("speed", slug(s, "timing")))) is not None}
-        tables["speed"] = report.speed_rows(timing)
     if "memory" in arms:
         tables["memory"] = report.memory_rows([r for a in arms["memory"] if (r := load_result(root, a)) is not None],
                                               bench["memory"].get("anchors"))
@@ -366,8 +329,8 @@ def make_plots(root: Path, tables: Mapping[str, Any], bench: Mapping[str, Any]) 
             out.append(plots.selection_heatmap(raw, root / "plots" / f"{study}_selection_heatmap.png"))
             if any(r["curves"].get("probes") for r in raw):
                 out.append(plots.alignment(raw, root / "plots" / f"{study}_alignment.png"))
-    if tables.get("speed") or tables.get("memory"):
-        out.append(plots.speed_bars(tables.get("speed") or [], tables.get("memory") or [], root / "plots" / "speed_memory.png"))
+    if tables.get("memory"):
+        out.append(plots.memory_bars(tables["memory"], root / "plots" / "memory.png"))
     if tables.get("recipe_speed"):
         out.append(plots.phase_bars(tables["recipe_speed"], root / "plots" / "recipe_speed_phases.png"))
     if tables.get("stability"):

@@ -16,7 +16,7 @@ from typing import Any
 
 RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
-STUDIES = ("recipe_speed", "quality", "ablation", "speed", "memory", "stability", "ddp_speed", "cost_model")
+STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "ddp_speed", "cost_model")
 FINETUNE_STUDIES = ("quality", "ablation")
 
 
@@ -143,16 +143,6 @@ def stability_arms(s: Mapping[str, Any]) -> list[Arm]:
                     )
                     labels = {"arm": name, "fmt": fmt, "lr": float(lr), "seed": int(seed)}
                     out.append(Arm("stability", slug(name, fmt, f"lr{lr}", f"s{seed}"), overrides, labels))
-    return out
-
-
-def speed_arms(s: Mapping[str, Any]) -> list[Arm]:
-    """Expand ``benchmark.speed`` into its arms: shape x arm (one timing run per shape alternates them)."""
-    out: list[Arm] = []
-    for shape in s["shapes"]:
-        for name, fraction in s["arms"].items():
-            labels = {"shape": shape, "arm": name, "fraction": float(fraction)}
-            out.append(Arm("speed", slug(shape, name), (), labels))
     return out
 
 
