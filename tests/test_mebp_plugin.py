@@ -80,7 +80,7 @@ def _files_under(path: Path) -> list[Path]:
 def test_fit_converts_trains_and_logs_decompression_times(tmp_path: Path) -> None:
     module = LoraModule()
     logger = MemoryLogger()
-    plugin = QuantizedMeBP(fmt="int4", group_size=32, keep_recomputed_weights=True)  # one backward decompression a layer
+    plugin = QuantizedMeBP(fmt="int4", group_size=32)
     before = {n: p.clone() for n, p in module.named_parameters() if p.requires_grad}
     _trainer(tmp_path, plugin, logger=logger, enable_checkpointing=False).fit(module)
     assert sum(isinstance(m, CompressedLinear) for m in module.modules()) == 4 * 7 + 1
@@ -120,7 +120,7 @@ def test_plugin_composes_with_lcsb_callback(tmp_path: Path, plugin_first: bool) 
     for name, p in module.named_parameters():  # non-zero LoRA B: every selected LoRA weight gets a gradient
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    plugin = QuantizedMeBP(fmt="int4", group_size=32, keep_recomputed_weights=True)  # one backward decompression a layer
+    plugin = QuantizedMeBP(fmt="int4", group_size=32)
     if plugin_first:
         plugin.convert_module(module)
     reference = _eval_logits(module) if plugin_first else None

@@ -47,9 +47,9 @@ class MeBPConfig:
             ``"mmap"`` where the platform has ``madvise``, else ``"ram"``.
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
             backward recompute until that Linear's backward (one backward decompression per layer,
-            every Linear of the block decompressed at once). ``False`` (the default) decompresses it
-            again there instead: the same gradients, bit for bit, with at most one layer's float
-            weight alive at a time, for one more decompression per layer.
+            every Linear of the block decompressed at once). ``False`` decompresses it again there
+            instead: the same gradients, bit for bit, with at most one layer's float weight alive at
+            a time, for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before each block runs and before
             its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
             from step to step, for a few percent of step time.
@@ -84,7 +84,7 @@ class MeBPConfig:
     compress_embeddings: bool = True
     ignore_modules: tuple[str, ...] = ()
     weights: str = "auto"
-    keep_recomputed_weights: bool = False
+    keep_recomputed_weights: bool = True
     release_heap: bool = True
     map_large_allocations: bool = False
     offload_dir: str | None = None
