@@ -16,7 +16,7 @@ import pytest
 import torch
 from _mebp_utils import add_lora, tiny_llama
 
-from lcsb_lightning.mebp import QuantizedMeBP
+from lcsb_lightning.mebp import MeBPConfig, QuantizedMeBP
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 
 CUDA = torch.device("cuda")
@@ -141,6 +141,9 @@ def test_timers_with_unread_events_can_be_copied(fake_cuda: list) -> None:
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_sync_timing_must_be_a_bool(value: Any) -> None:
     with pytest.raises(TypeError, match=rf"`sync_timing` must be a bool, got {value!r}\."):
-        QuantizedMeBP(fmt="int4", group_size=32, sync_timing=value)
+        MeBPConfig(fmt="int4", group_size=32, sync_timing=value)
+    if value is not None:  # the plugin's None keeps the config's value (its keywords serve LightningCLI)
+        with pytest.raises(TypeError, match=rf"`sync_timing` must be a bool, got {value!r}\."):
+            QuantizedMeBP(fmt="int4", group_size=32, sync_timing=value)
     with pytest.raises(TypeError, match=rf"`sync_timing` must be a bool, got {value!r}\."):
         MeBPStats(sync_timing=value)

@@ -294,13 +294,13 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
                 "peak RSS above imports and whole-process; the anchors' figures beside.", "",
                 table(["shape", "seq", "config", "train anon (MB)", *[a[:-3] + " (MB)" for a in anchors], "load anon (MB)",
                        "RSS above imports (MB)", "whole RSS (MB)", "s/step"],
-                      [[r["shape"], r["seq_len"], r["config"], _f(r["peak_anon_train_mb"], ".0f"),
+                      [[r["shape"], str(r["seq_len"]), r["config"], _f(r["peak_anon_train_mb"], ".0f"),
                         *[_f(r.get(a), ".1f") for a in anchors], _f(r["peak_anon_load_mb"], ".0f"),
                         _f(r["peak_rss_above_import_mb"], ".0f"), _f(r["peak_rss_mb"], ".0f"), _f(r["step_s"], ".2f")]
                        for r in memory]), "",
                 "Breakdown of each training peak by owner (MB; the window holding the peak):", "",
                 table(["shape", "seq", "config", "window", *memory[0]["breakdown"]["owners_mb"], "accounted"],
-                      [[r["shape"], r["seq_len"], r["config"], r["breakdown"]["window"],
+                      [[r["shape"], str(r["seq_len"]), r["config"], r["breakdown"]["window"],
                         *[_f(v, ".1f") for v in r["breakdown"]["owners_mb"].values()], _f(r["breakdown"].get("accounted"), ".0%")]
                        for r in memory]), ""]
     grid = tables.get("stability") or []
