@@ -291,7 +291,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
     class Steps(Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
-            self.windows: list[list[dict[str, Any]]] = []
+            self.last_windows: list[dict[str, Any]] = []  # of the last step: the breakdown's
 
         def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
             if trainer.global_step == warmup + measured:  # the breakdown's own step, after the measured ones
@@ -307,7 +307,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, *_: Any) -> None:
             self.seconds.append(time.perf_counter() - self._t0)
             windows.close()
-            self.windows.append(list(windows.windows))
+            self.last_windows = list(windows.windows)
             windows.windows.clear()
 
     steps = Steps()
@@ -326,7 +326,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
         "peak_rss_above_import_mb": round(max(peak_rss, load_peak_rss) - rss0, 1),
         "peak_rss_mb": round(max(peak_rss, load_peak_rss), 1), "rss_after_import_mb": round(rss0, 1),
         "load_s": round(load_s, 2), "step_s": round(sum(steps.seconds[warmup:-1]) / max(1, measured), 3),
-        "breakdown": breakdown(steps.windows[-1], anon0, runtime, peak_anon - anon0),
+        "breakdown": breakdown(steps.last_windows, anon0, runtime, peak_anon - anon0),
     }
 
 

@@ -56,7 +56,7 @@ def _malloc_trim() -> Callable[[int], Any] | None:
 def map_large_allocations() -> bool:
     """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (once per process); whether it could."""
     mallopt = _glibc("mallopt")
-    return mallopt is not None and _malloc_trim() is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
 
 
 def heap_release_supported() -> bool:
