@@ -57,6 +57,12 @@ class MeBPConfig:
             returned to the OS when it is freed (glibc's mmap threshold, fixed for the whole process
             from the conversion on): no freed activation stays resident, for page faults at every
             allocation (a lower peak, a slower step: docs/mebp.md).
+        free_grads_after_step: Off by default: it changes what Lightning users observe. Set the
+            gradients to ``None`` right after each optimizer step in automatic optimization, instead
+            of where Lightning zeroes them (after the next ``training_step``), so that they are not
+            held through the next forward. ``on_before_zero_grad``, ``on_train_batch_end`` and
+            anything after the step then see no gradient, and an ``optimizer_zero_grad`` override
+            does not decide how they are freed. Manual optimization is left alone.
         offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
         sync_timing: Synchronise the device before and after every timed decompression, recompute and
             backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
@@ -87,13 +93,14 @@ class MeBPConfig:
     keep_recomputed_weights: bool = True
     release_heap: bool = True
     map_large_allocations: bool = False
+    free_grads_after_step: bool = False
     offload_dir: str | None = None
     sync_timing: bool = False
 
     def __post_init__(self) -> None:
         validate_format(self.fmt, self.group_size)
         for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "map_large_allocations",
-                     "compress_embeddings", "sync_timing"):
+                     "free_grads_after_step", "compress_embeddings", "sync_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.offload not in OFFLOAD_MODES:

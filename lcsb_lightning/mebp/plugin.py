@@ -57,7 +57,7 @@ class QuantizedMeBP(Precision):
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
         fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
-            keep_recomputed_weights, release_heap, map_large_allocations, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
+            keep_recomputed_weights, release_heap, map_large_allocations, free_grads_after_step, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
             fields (its docstring has what each does and its default), explicit for LightningCLI: without
             ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
             instantiates it); ``None`` keeps the config's value.
@@ -85,6 +85,7 @@ class QuantizedMeBP(Precision):
         keep_recomputed_weights: bool | None = None,
         release_heap: bool | None = None,
         map_large_allocations: bool | None = None,
+        free_grads_after_step: bool | None = None,
         offload_dir: str | None = None,
         sync_timing: bool | None = None,
     ) -> None:
@@ -149,9 +150,10 @@ class QuantizedMeBP(Precision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model, closure, **kwargs)
-        # Lightning zeroes the gradients between the next forward and its backward; freed now, they
-        # are not held through that forward, where the peak of a step with few trainable blocks is.
-        optimizer.zero_grad(set_to_none=True)
+        if self.config.free_grads_after_step and getattr(model, "automatic_optimization", False):
+            # Lightning zeroes the gradients between the next forward and its backward; freed now, they
+            # are not held through that forward, where the peak of a step with few trainable blocks is.
+            optimizer.zero_grad(set_to_none=True)
         self.last_metrics = self.stats.as_dict()
         self.stats.reset()
         trainer = getattr(model, "_trainer", None)
