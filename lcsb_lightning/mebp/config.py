@@ -7,15 +7,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
 from lcsb_lightning.mebp._internal.formats import validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
 
 #: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
 OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
-#: Where the compressed weights live: memory-mapped files released after each use where the platform
-#: can release them (``auto``), memory-mapped files, or process memory.
+#: Where the compressed weights live: decided when the training device is known (``auto``), memory-mapped
+#: files, or process memory.
 WEIGHT_STORAGE: tuple[str, ...] = ("auto", "mmap", "ram")
 
 
@@ -43,8 +41,13 @@ class MeBPConfig:
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
         weights: ``"mmap"`` writes the compressed weights to memory-mapped files and drops each
             layer's pages from the process after it ran, as MeBP reads them from flash (CPU,
-            Linux/macOS); ``"ram"`` keeps them in process memory; ``"auto"`` (the default) is
-            ``"mmap"`` where the platform has ``madvise``, else ``"ram"``.
+            Linux/macOS); ``"ram"`` keeps them in process memory. ``"auto"`` (the default) decides
+            when the training device is known: memory-mapped for a model that trains on the CPU, where
+            ``madvise`` exists and ``offload_dir`` (or the system temp dir) is not on a RAM file system
+            (tmpfs), else in RAM. ``QuantizedMeBP`` decides at fit start, after Lightning moved the
+            model; ``apply_mebp`` and ``load_compressed`` map CPU weights right away only on a machine
+            without an accelerator Lightning would pick (CUDA, MPS, XLA). Weights that leave the CPU
+            drop their mappings.
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
             backward recompute until that Linear's backward (one backward decompression per layer,
             every Linear of the block decompressed at once). ``False`` decompresses it again there
@@ -70,7 +73,8 @@ class MeBPConfig:
 
     Raises:
         ValueError: an unknown ``fmt``, ``offload`` or ``weights``, an unsupported ``group_size``, or
-            ``weights="mmap"`` where ``madvise`` is missing.
+            ``weights="mmap"`` where ``madvise`` is missing (checked as the config is built, without
+            logging anything).
         TypeError: a flag that is not a bool, ``ignore_modules`` that is not a collection of names.
         ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
 
@@ -109,10 +113,6 @@ class MeBPConfig:
             raise ValueError(f"`weights={self.weights!r}` is not supported; choose one of {_choices(WEIGHT_STORAGE)}.")
         if self.weights == "mmap" and not mmap_supported():
             raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
-        if self.weights == "auto":
-            if not mmap_supported():
-                rank_zero_info("MeBPConfig: weights='auto' keeps the compressed weights in RAM here (no madvise).")
-            object.__setattr__(self, "weights", "mmap" if mmap_supported() else "ram")
         names: Any = self.ignore_modules
         if not isinstance(names, str) and isinstance(names, Iterable):
             names = tuple(names)  # a list, a generator, or Hydra's ListConfig

@@ -25,7 +25,7 @@ from lcsb_lightning.mebp.config import MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, release_free_heap
-from lcsb_lightning.mebp._internal.storage import MappedWeights
+from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def load_compressed(
         weight_source = GGUFSource(reader, model)  # maps names, checks tensor types and shapes
 
     shared: dict[int, Packed] = {}
-    store = MappedWeights(config.offload_dir) if config.weights == "mmap" else None
+    store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, torch.device("cpu"), config.offload_dir) else None
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
     # In RAM, all codes share one allocation (see allocate_packed); mapped, each goes to its file.
     slots = dict(zip(unique, allocate_packed(list(unique.values()), group_size))) if store is None else {}

@@ -8,12 +8,15 @@ from typing import Any, Callable, Generator, Literal, Sequence, get_args
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.optim import Optimizer
 
 from lcsb_lightning.mebp._internal.stats import MeBPStats
+from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
-from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
+from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, map_compressed, mebp_state
 
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
@@ -26,6 +29,27 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     ]
     ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
+
+
+def _place_weights(state: MeBPState) -> None:
+    """Map the compressed weights of a model that trains on the CPU (``weights="auto"``; ``"mmap"`` mapped
+    them at conversion), and let go of the weight store of one that trains elsewhere."""
+    config, store = state.config, state.weight_store
+    modules = list(state.compressed_modules.values())
+    device = modules[0].weight.device
+    mapped = maps_for_training(config.weights, device, config.offload_dir)
+    if config.weights == "mmap" and device.type != "cpu":
+        rank_zero_warn(f"QuantizedMeBP: weights='mmap' has no effect on a model that trains on {device}: its compressed "
+                       "weights are in device memory; use weights='auto' (the default) to write no files.")
+    if mapped and store is None:
+        store = MappedWeights(config.offload_dir)
+        map_compressed(state.compressed_modules, store)
+    elif not mapped and store is not None:
+        store.close()  # a model moved off the CPU dropped its mappings with its CPU tensors
+        store = None
+    state.weight_store = store
+    for module in modules:
+        module.weight_store = store  # type: ignore[assignment]
 
 
 _Precision = Literal["32-true", "bf16-mixed"]
@@ -111,6 +135,13 @@ class QuantizedMeBP(Precision):
         self._stats.sync_timing = self.config.sync_timing
         self._stats.reset()
         return module
+
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        """Place the compressed weights for the device the strategy moved the model to (``weights``)."""
+        state = mebp_state(self._module) if self._module is not None else None
+        if state is not None:
+            _place_weights(state)
+        return super().connect(model, optimizers, lr_schedulers)
 
     @property
     def stats(self) -> MeBPStats:
