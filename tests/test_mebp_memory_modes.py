@@ -160,7 +160,7 @@ def test_memory_mode_arguments_are_checked_before_any_work(kwargs: dict, error: 
     assert mebp_state(model) is None
 
 
-def test_map_large_allocations_fixes_the_mmap_threshold_once_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_map_large_allocations_fixes_the_mmap_threshold_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from lcsb_lightning.mebp import load_compressed
     from lcsb_lightning.mebp._internal import heap
 

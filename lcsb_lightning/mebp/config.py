@@ -54,12 +54,18 @@ class MeBPConfig:
             instead: the same gradients, bit for bit, with at most one layer's float weight alive at
             a time, for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before each block runs and before
-            its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
-            from step to step, for a few percent of step time.
-        map_large_allocations: On CPU, give every allocation of 256 KiB and more pages of its own,
-            returned to the OS when it is freed (glibc's mmap threshold, fixed for the whole process
-            from the conversion on): no freed activation stays resident, for page faults at every
-            allocation (a lower peak, a slower step: docs/mebp.md).
+            its recompute, once the resident set grew by 16 MiB since the last time, at most
+            ``heap.MAX_TRIMS_PER_STEP`` times per training step (glibc ``malloc_trim``; a no-op with
+            another allocator): the resident set stays flat instead of growing from step to step, for
+            page faults that lengthen the step (docs/mebp.md).
+        map_large_allocations: Off by default: it changes malloc for the **whole process, for good**.
+            On glibc it fixes the mmap threshold at 256 KiB (``mallopt(M_MMAP_THRESHOLD)``, which also
+            turns off glibc's adaptive threshold; nothing can turn it back on), so that an allocation
+            of 256 KiB and more that the heap's free space cannot serve gets pages of its own, returned
+            to the OS when freed: freed activations do not stay resident, for page faults at every
+            such allocation (a lower peak, a slower step: docs/mebp.md). It acts from the conversion
+            on (set it where the model is loaded, before the heap has grown) and is warned about
+            where it has no effect (not glibc, or another allocator preloaded).
         free_grads_after_step: Off by default: it changes what Lightning users observe. Set the
             gradients to ``None`` right after each optimizer step in automatic optimization, instead
             of where Lightning zeroes them (after the next ``training_step``), so that they are not

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lcsb_lightning.mebp._internal.heap import start_step, trims_this_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
@@ -166,6 +167,13 @@ class QuantizedMeBP(Precision):
             yield
 
     @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """Start the step's count of heap trims (``release_heap``: at most ``heap.MAX_TRIMS_PER_STEP``)."""
+        start_step()
+        with super().train_step_context():
+            yield
+
+    @contextlib.contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
         stats = self.stats
         enabled, stats.enabled = stats.enabled, False
@@ -185,7 +193,7 @@ class QuantizedMeBP(Precision):
             # Lightning zeroes the gradients between the next forward and its backward; freed now, they
             # are not held through that forward, where the peak of a step with few trainable blocks is.
             optimizer.zero_grad(set_to_none=True)
-        self.last_metrics = self.stats.as_dict()
+        self.last_metrics = {**self.stats.as_dict(), "mebp/heap_trims": float(trims_this_step())}
         self.stats.reset()
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
