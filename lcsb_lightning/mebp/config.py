@@ -5,16 +5,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping, Optional, get_args
 
 from lcsb_lightning.mebp._internal.formats import validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
 
+# The option types are Literals so that LightningCLI (jsonargparse) lists the choices and refuses another
+# value when it parses; a test pins Format to formats.FORMATS.
+Format = Literal["int4", "nf4", "fp4"]
+Offload = Literal["none", "mmap"]
+WeightStorage = Literal["auto", "mmap", "ram"]
 #: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
-OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
+OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
 #: Where the compressed weights live: decided when the training device is known (``auto``), memory-mapped
 #: files, or process memory.
-WEIGHT_STORAGE: tuple[str, ...] = ("auto", "mmap", "ram")
+WEIGHT_STORAGE: tuple[str, ...] = get_args(WeightStorage)
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -93,18 +98,18 @@ class MeBPConfig:
         'int4'
     """
 
-    fmt: str = "nf4"
+    fmt: Format = "nf4"
     group_size: int = 64
     checkpoint: bool = True
-    offload: str = "none"
+    offload: Offload = "none"
     compress_embeddings: bool = True
     ignore_modules: tuple[str, ...] = ()
-    weights: str = "auto"
+    weights: WeightStorage = "auto"
     keep_recomputed_weights: bool = True
     release_heap: bool = True
     map_large_allocations: bool = False
     free_grads_after_step: bool = False
-    offload_dir: str | None = None
+    offload_dir: Optional[str] = None
     sync_timing: bool = False
 
     def __post_init__(self) -> None:
@@ -141,8 +146,24 @@ class MeBPConfig:
         return build_config(None, {key: value for key, value in node.items() if not str(key).startswith("_")})
 
 
+def _defaults() -> MeBPConfig:
+    # Built without __post_init__, which would import bitsandbytes for the default fmt="nf4" at import
+    # time; build_config builds (and checks) a real one in its place.
+    config = object.__new__(MeBPConfig)
+    for field in dataclasses.fields(MeBPConfig):
+        object.__setattr__(config, field.name, field.default)
+    return config
+
+
+#: MeBPConfig's defaults, as the default of a ``config`` argument: signatures (and LightningCLI's
+#: ``--print_config``) show every field's value; :func:`build_config` replaces it by a checked config.
+DEFAULT_CONFIG = _defaults()
+
+
 def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
     """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
+    if config is DEFAULT_CONFIG:
+        config = None
     if config is not None and not isinstance(config, MeBPConfig):
         raise TypeError(
             f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Callable, Generator, Literal, Sequence, get_args
+from typing import Any, Callable, Generator, Literal, get_args
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -16,7 +15,7 @@ from lcsb_lightning.mebp._internal.heap import start_step, trims_this_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.config import MeBPConfig, build_config
+from lcsb_lightning.mebp.config import DEFAULT_CONFIG, MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, map_compressed, mebp_state
 
 
@@ -56,7 +55,6 @@ def _place_weights(state: MeBPState) -> None:
 _Precision = Literal["32-true", "bf16-mixed"]
 #: The Trainer precisions QuantizedMeBP runs with.
 PRECISIONS: tuple[str, ...] = get_args(_Precision)
-_FIELDS = frozenset(field.name for field in dataclasses.fields(MeBPConfig))
 
 
 class QuantizedMeBP(Precision):
@@ -76,16 +74,19 @@ class QuantizedMeBP(Precision):
     values are in :attr:`last_metrics`.
 
     Args:
-        config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults
-            without one). ``sync_timing`` applies to the timers of the model this plugin trains, also
-            one converted beforehand.
+        config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without
+            one). LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``) and
+            ``--print_config`` prints every field with its value. ``sync_timing`` applies to the timers
+            of the model this plugin trains, also one converted beforehand.
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
-        fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
-            keep_recomputed_weights, release_heap, map_large_allocations, free_grads_after_step, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
-            fields (its docstring has what each does and its default), explicit for LightningCLI: without
+        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields by keyword (``fmt="int4"``): without
             ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
-            instantiates it); ``None`` keeps the config's value.
+            instantiates the plugin).
+
+    Raises:
+        TypeError: an option that is not a ``MeBPConfig`` field, or a bad value (see ``MeBPConfig``).
+        ValueError: an unsupported ``precision``, or a bad value (see ``MeBPConfig``).
 
     Example::
 
@@ -96,29 +97,11 @@ class QuantizedMeBP(Precision):
     precision = "32-true"
 
     def __init__(
-        self,
-        config: MeBPConfig | None = None,
-        *,
-        precision: _Precision = "32-true",
-        fmt: Literal["int4", "nf4", "fp4"] | None = None,
-        group_size: int | None = None,
-        checkpoint: bool | None = None,
-        offload: Literal["none", "mmap"] | None = None,
-        compress_embeddings: bool | None = None,
-        ignore_modules: Sequence[str] | None = None,
-        weights: Literal["auto", "mmap", "ram"] | None = None,
-        keep_recomputed_weights: bool | None = None,
-        release_heap: bool | None = None,
-        map_large_allocations: bool | None = None,
-        free_grads_after_step: bool | None = None,
-        offload_dir: str | None = None,
-        sync_timing: bool | None = None,
+        self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true", **options: Any
     ) -> None:
-        # The fields by name from the arguments, so that no keyword is forgotten here (a test pins the set).
-        options = {name: value for name, value in locals().items() if name in _FIELDS and value is not None}
-        self.config = build_config(config, options, "QuantizedMeBP")
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
+        self.config = build_config(config, options, "QuantizedMeBP")
         self.precision = precision  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._stats = MeBPStats()
