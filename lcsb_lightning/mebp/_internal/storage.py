@@ -100,15 +100,13 @@ def maps_for_training(weights: str, device: torch.device, directory: str | None)
     """Whether compressed weights that train on ``device`` go to memory-mapped files (``weights`` is
     ``"auto"``, ``"mmap"`` or ``"ram"``; ``directory`` is ``offload_dir``).
 
-    ``"auto"`` maps them on the CPU where ``madvise`` exists and ``directory`` is on a disk; why it
-    keeps them in RAM otherwise is logged once per process and reason.
+    ``"auto"`` maps them on the CPU where ``madvise`` exists and ``directory`` is on a disk; why it keeps
+    CPU weights in RAM is logged once per process and reason.
     """
-    if weights != "auto":
+    if weights != "auto" or device.type != "cpu":
         return weights == "mmap" and device.type == "cpu"
     reason = None
-    if device.type != "cpu":
-        reason = f"they train on {device.type}"
-    elif not mmap_supported():
+    if not mmap_supported():
         reason = "this platform has no madvise"
     elif on_ram_file_system(directory):
         reason = f"{directory or tempfile.gettempdir()} is on a RAM file system (set offload_dir to a disk directory)"
