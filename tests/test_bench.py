@@ -115,7 +115,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54, "ddp_speed": 3}),
-    ("memory_anchor", {"memory": 16}),
+    ("memory_anchor", {"memory": 17}),
     ("cost_model", {"cost_model": 8}),
 ])
 def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int]) -> None:

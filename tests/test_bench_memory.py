@@ -70,3 +70,12 @@ def test_the_peak_sampler_sees_an_allocation_that_lives_between_two_reads() -> N
     finally:
         sampler.close()
     assert peak - now > 48
+
+
+def test_the_lean_configuration_measured_is_the_phone_budget_recipe() -> None:
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = OmegaConf.load(root / "recipes" / "phone_budget.yaml").mebp
+    lean = OmegaConf.load(root / "conf" / "benchmark" / "memory_anchor.yaml").memory.configs.lean
+    assert OmegaConf.to_container(recipe) == OmegaConf.to_container(lean)
