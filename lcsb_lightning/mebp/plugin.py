@@ -22,7 +22,7 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
         f"{name}.{buffer}"
         for name, sub in module.named_modules()
         if isinstance(sub, (CompressedLinear, CompressedEmbedding))
-        for buffer in ("weight", "scales")
+        for buffer in ("weight", "scales", "mins")
     ]
     ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
@@ -75,7 +75,7 @@ class QuantizedMeBP(Precision):
         config: MeBPConfig | None = None,
         *,
         precision: _Precision = "32-true",
-        fmt: Literal["int4", "nf4", "fp4"] | None = None,
+        fmt: Literal["auto", "int4", "int4_asym", "nf4", "fp4"] | None = None,
         group_size: int | None = None,
         checkpoint: bool | None = None,
         offload: Literal["none", "mmap"] | None = None,
