@@ -26,15 +26,19 @@ class LanguageModelMetrics(Metric):
         self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:  # type: ignore[override]
-        """Accumulate one batch.
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, aligned: bool = False) -> None:  # type: ignore[override]
+        """Accumulate one batch, or a slice of its positions.
 
         Args:
             logits: ``(batch, seq, vocab)`` logits.
-            labels: ``(batch, seq)`` labels, not yet shifted.
+            labels: ``(batch, seq)`` labels, not yet shifted; with ``aligned``, the next-token targets of
+                the logits' positions (the evaluation streams over the sequence, see ``CausalLMModule``).
+            aligned: Whether ``labels`` are already the targets of ``logits``.
         """
-        logits = logits[:, :-1].float()
-        target = labels[:, 1:]
+        if not aligned:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        target = labels
+        logits = logits.float()
         mask = target != IGNORE
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum"

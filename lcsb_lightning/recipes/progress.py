@@ -61,6 +61,15 @@ class LCSBProgressBar(RichProgressBar):
         return f"{'Training':{len(self.validation_description)}}"
 
 
+def _memory_line(summary: dict[str, Any]) -> str:
+    memory = summary.get("memory") or {}
+    line = f"{summary.get('peak_rss_mb', 0):.0f} MiB whole process"
+    if memory.get("peak_anon_above_imports_mib") is not None:
+        line += (f", {memory['peak_anon_above_imports_mib']:.0f} MiB anonymous above the imports "
+                 f"(after the imports: {memory['after_imports_rss_mib']:.0f} MiB, {memory['after_imports_anon_mib']:.0f} anonymous)")
+    return line
+
+
 def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
     """The table printed at the end of ``lcsb-finetune``: initial vs final eval metrics, speed, memory, outputs."""
     initial, final = summary.get("initial_metrics") or {}, summary.get("final_metrics") or {}
@@ -72,7 +81,7 @@ def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
         lines.append(f"{key:<{width}}  {before:>10}  {final[key]:>10.4f}")
     lines += [
         f"{'steps':<{width}}  {summary.get('steps')} ({summary.get('steps_per_second') or 0:.3f} steps/s of training)",
-        f"{'peak memory':<{width}}  {summary.get('peak_rss_mb', 0):.0f} MiB (whole process)",
+        f"{'peak memory':<{width}}  {_memory_line(summary)}",
         f"{'adapter':<{width}}  {summary.get('adapter_dir')}",
     ]
     best = summary.get("best")
