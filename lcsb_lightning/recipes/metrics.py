@@ -26,25 +26,31 @@ class LanguageModelMetrics(Metric):
         self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor, aligned: bool = False) -> None:  # type: ignore[override]
-        """Accumulate one batch, or a slice of its positions.
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:  # type: ignore[override]
+        """Accumulate one batch.
 
         Args:
-            logits: ``(batch, seq, vocab)`` logits.
-            labels: ``(batch, seq)`` labels, not yet shifted; with ``aligned``, the next-token targets of
-                the logits' positions (the evaluation streams over the sequence, see ``CausalLMModule``).
-            aligned: Whether ``labels`` are already the targets of ``logits``.
+            logits: ``(batch, seq, vocab)`` logits (without them: :meth:`update_from_predictions`).
+            labels: ``(batch, seq)`` labels, not yet shifted.
         """
-        if not aligned:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        target = labels
-        logits = logits.float()
-        mask = target != IGNORE
+        logits = logits[:, :-1].float()
+        target = labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
         )
-        self.nll = self.nll + nll.double()
-        self.correct = self.correct + ((logits.argmax(-1) == target) & mask).sum()
+        self._accumulate(nll, logits.argmax(-1).reshape(-1), target.reshape(-1))
+
+    def update_from_predictions(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
+        """Accumulate per-position NLLs and predicted tokens against their (already shifted) targets, all ``(n,)``:
+        what a streamed LM head gives (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed."""
+        self._update_count += 1  # torchmetrics counts calls of ``update`` only
+        self._computed = None
+        self._accumulate(nll, predicted, target)
+
+    def _accumulate(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
+        mask = target != IGNORE
+        self.nll = self.nll + (nll * mask).sum().double()
+        self.correct = self.correct + ((predicted == target) & mask).sum()
         self.tokens = self.tokens + mask.sum()
 
     def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]

@@ -15,9 +15,6 @@ from torchmetrics.classification import MulticlassAccuracy
 from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetrics
 from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
 
-#: Largest number of logits (positions x vocabulary) an evaluation batch computes at once: 16 MiB in float32.
-EVAL_LOGITS_ELEMENTS = 1 << 22
-
 
 def check_adapter(path: str) -> None:
     """Raise a ``ValueError`` naming the file when ``path`` is not a complete, readable peft adapter folder."""
@@ -183,18 +180,16 @@ class CausalLMModule(LightningModule):
 
     @torch.no_grad()
     def _update_lm_metrics(self, batch: Mapping[str, Any]) -> None:
-        """The LM metrics of one batch, streamed over the sequence: the logits of at most
-        :data:`EVAL_LOGITS_ELEMENTS` positions x vocabulary exist at a time (full logits of an
-        evaluation batch of 4 x 256 tokens over a 49k vocabulary would be 200 MB, twice over in the loss)."""
+        """The LM metrics of one batch from the final hidden states, streamed over the vocabulary
+        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of an evaluation batch of
+        4 x 256 tokens over a 49k vocabulary would be 200 MB, and the loss holds them twice over."""
+        from lcsb_lightning.mebp.loss import lm_head_predictions
+
         hidden, head, transform = self._hidden_and_head(batch)
-        hidden, target = hidden[:, :-1], batch["labels"][:, 1:]
-        vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
-        step = max(1, EVAL_LOGITS_ELEMENTS // (hidden.shape[0] * vocab))
-        for start in range(0, hidden.shape[1], step):
-            logits = head(hidden[:, start : start + step]).float() * float(transform["logit_scale"] or 1.0)
-            if transform["logit_softcap"]:
-                logits = torch.tanh(logits / transform["logit_softcap"]) * transform["logit_softcap"]
-            self.val_lm.update(logits, target[:, start : start + step], aligned=True)
+        target = batch["labels"][:, 1:]
+        nll, best = lm_head_predictions(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head, target.reshape(-1),
+                                        transform["logit_scale"] or 1.0, transform["logit_softcap"], IGNORE)
+        self.val_lm.update_from_predictions(nll, best, target.reshape(-1))
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
