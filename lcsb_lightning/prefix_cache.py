@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
 from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable_leaves, uses_reentrant_checkpoint
+from lcsb_lightning.rank_zero import rank_zero_warn
 
 #: Name of the frozen-prefix wrapper in a block's forward stack.
 FROZEN_WRAPPER = "lcsb_frozen_prefix"

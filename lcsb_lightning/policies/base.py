@@ -6,8 +6,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, TypeVar
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
+from lcsb_lightning.rank_zero import rank_zero_warn
 from lcsb_lightning.validation import check_int
 
 Selection = tuple[int, ...]
