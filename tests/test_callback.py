@@ -142,7 +142,7 @@ def test_a_resume_with_other_policy_arguments_is_refused_before_any_step(residua
 
     fit(TokenLM(residual_net(num_blocks=8)), levels=4, steps=2)
     resumed = TokenLM(residual_net(num_blocks=8))
-    with pytest.raises(ValueError, match="the checkpoint has levels=4, this policy has levels=3"):
+    with pytest.raises(ValueError, match="the checkpoint has levels=4, this policy has levels=3.*build the policy with `levels=4`"):
         fit(resumed, levels=3, steps=4, ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.losses == []
 
