@@ -226,6 +226,10 @@ def chunked_lm_loss(
     return total / count
 
 
+#: Positions :func:`lm_head_predictions` streams the vocabulary for at once.
+PREDICTION_POSITIONS = 256
+
+
 @torch.no_grad()
 def lm_head_predictions(
     hidden: torch.Tensor,
@@ -264,6 +268,10 @@ def lm_head_predictions(
             nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
             best[start : start + step] = logits.argmax(1)
         return nll * valid, best
+    if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 8 MiB each
+        parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
+                                     logit_scale, logit_softcap, ignore_index) for s in range(0, n, PREDICTION_POSITIONS)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     running_max = hidden.new_full((n,), float("-inf"))
     running_sum, picked = hidden.new_zeros(n), hidden.new_zeros(n)
     best = torch.zeros(n, dtype=torch.long, device=hidden.device)

@@ -37,7 +37,7 @@ from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
-from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
+from lcsb_lightning.recipes.progress import HeapTrim, LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.run_memory import RunMemory
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
@@ -162,10 +162,11 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
     """
+    mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
-    callbacks += [SameWeightsOnEveryRank(), StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(block_hooks=mebp is None), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
         callbacks.append(best)
@@ -183,7 +184,6 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
     plugins: list[Any] = [AtomicCheckpointIO()]
-    mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     if mebp is not None:
         plugins.append(mebp)
     extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin takes trainer.precision
