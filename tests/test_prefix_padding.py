@@ -3,25 +3,15 @@ no padded position, and only into batches no wider than they were stored from wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
+from _recipes_utils import one_thread  # noqa: F401  (autouse: tensors this small run fastest on one thread)
 from torch import nn
 from torch.nn import functional as F
 
 from lcsb_lightning.prefix_cache import FrozenPrefix
 
 VOCAB, WIDTH = 64, 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tensors this small run fastest on one thread (and several tests share the machine's cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class CausalBlock(nn.Module):
