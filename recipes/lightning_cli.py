@@ -6,9 +6,11 @@ the Trainer by ``class_path``/``init_args``. The same from the command line, wit
 
     python recipes/lightning_cli.py fit --trainer.max_steps=40 \\
         --trainer.callbacks+=lcsb_lightning.LCSBCallback --trainer.callbacks.policy=dyadic \\
-        --trainer.plugins=lcsb_lightning.QuantizedMeBP --trainer.plugins.fmt=int4
+        --trainer.plugins=lcsb_lightning.QuantizedMeBP --trainer.plugins.config.fmt=int4
 
-Every option of both (``--print_config`` lists them) is a constructor argument. The LightningModule and
+Every option of both is a constructor argument; the plugin's are the fields of its ``config`` (a
+``MeBPConfig``). ``--print_config`` prints each with its value, so a saved config replays the same run, and
+a value outside a field's choices (``--trainer.plugins.config.fmt=int3``) is refused as the flags are parsed. The LightningModule and
 its data are recipes/lightning_module.py's: LoRA on SmolLM2-135M-Instruct (``--model.tiny=true``: a small
 random Llama and byte tokens, a smoke test in seconds) fine-tuned on Python's own documentation text.
 """

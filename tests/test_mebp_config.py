@@ -36,24 +36,21 @@ def test_keywords_beside_a_config_override_its_fields() -> None:
     assert mebp_state(model).config == dataclasses.replace(config, group_size=64)
 
 
-def test_the_plugins_keywords_are_the_configs_fields_and_keep_its_values() -> None:
-    """Explicit keywords (for LightningCLI) that cannot drift from MeBPConfig: the same names, no default of their own."""
+def test_the_plugin_shows_the_configs_defaults_and_its_fields_list_their_choices() -> None:
+    """LightningCLI reads both: the plugin's ``config`` default (every field with its value) and each field's type."""
     import inspect
     import typing
 
     from lcsb_lightning.mebp._internal.formats import FORMATS
     from lcsb_lightning.mebp.config import OFFLOAD_MODES, WEIGHT_STORAGE
 
-    keywords = {name: p for name, p in inspect.signature(QuantizedMeBP).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    del keywords["precision"]
-    assert set(keywords) == {field.name for field in dataclasses.fields(MeBPConfig)}
-    assert all(p.default is None for p in keywords.values()), keywords
-    hints = typing.get_type_hints(QuantizedMeBP.__init__)
+    parameters = inspect.signature(QuantizedMeBP).parameters
+    assert list(parameters) == ["config", "precision", "options"]
+    assert parameters["config"].default == MeBPConfig()
+    hints = typing.get_type_hints(MeBPConfig)
     for name, allowed in (("fmt", FORMATS), ("offload", OFFLOAD_MODES), ("weights", WEIGHT_STORAGE)):
-        assert typing.get_args(typing.get_args(hints[name])[0]) == allowed, (name, hints[name])
-    config = MeBPConfig(fmt="int4", group_size=32, checkpoint=False, offload_dir="/tmp")
-    assert QuantizedMeBP(config, **dict.fromkeys(keywords)).config is config
-    assert QuantizedMeBP(**dict.fromkeys(keywords)).config == MeBPConfig()
+        assert typing.get_args(hints[name]) == allowed, (name, hints[name])
+    assert QuantizedMeBP().config == MeBPConfig() and QuantizedMeBP(offload_dir=None).config.offload_dir is None
 
 
 @pytest.mark.parametrize(

@@ -160,7 +160,7 @@ def test_memory_mode_arguments_are_checked_before_any_work(kwargs: dict, error: 
     assert mebp_state(model) is None
 
 
-def test_map_large_allocations_fixes_the_mmap_threshold_once_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_map_large_allocations_fixes_the_mmap_threshold_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from lcsb_lightning.mebp import load_compressed
     from lcsb_lightning.mebp._internal import heap
 
@@ -177,11 +177,15 @@ def test_map_large_allocations_fixes_the_mmap_threshold_once_before_loading(monk
     heap.map_large_allocations.cache_clear()
 
 
-@pytest.mark.parametrize(("supported", "resolved"), [(True, "mmap"), (False, "ram")])
-def test_weights_auto_maps_them_where_the_platform_can_release_them(monkeypatch: pytest.MonkeyPatch, supported: bool,
-                                                                    resolved: str) -> None:
-    from lcsb_lightning.mebp import config as config_module
+@pytest.mark.parametrize(("device", "supported", "filesystem", "mapped"), [
+    ("cpu", True, "ext4", True), ("cpu", False, "ext4", False), ("cpu", True, "tmpfs", False), ("cuda", True, "ext4", False),
+])
+def test_weights_auto_maps_them_only_for_cpu_training_on_a_disk(monkeypatch: pytest.MonkeyPatch, device: str,
+                                                                supported: bool, filesystem: str, mapped: bool) -> None:
+    from lcsb_lightning.mebp._internal import storage
 
-    monkeypatch.setattr(config_module, "mmap_supported", lambda: supported)
-    assert MeBPConfig(fmt="int4").weights == resolved
-    assert MeBPConfig(fmt="int4", weights="ram").weights == "ram"
+    monkeypatch.setattr(storage, "mmap_supported", lambda: supported)
+    monkeypatch.setattr(storage, "filesystem_type", lambda path: filesystem)
+    assert MeBPConfig(fmt="int4").weights == "auto"  # kept as given, decided where the device is known
+    assert storage.maps_for_training("auto", torch.device(device), None) is mapped
+    assert storage.maps_for_training("ram", torch.device(device), None) is False

@@ -291,6 +291,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
     class Steps(Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
+            self.heap_trims: list[float] = []  # release_heap's trims per step (QuantizedMeBP's count)
             self.last_windows: list[dict[str, Any]] = []  # of the last step: the breakdown's
 
         def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
@@ -306,6 +307,8 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
 
         def on_train_batch_end(self, *_: Any) -> None:
             self.seconds.append(time.perf_counter() - self._t0)
+            if plugins:
+                self.heap_trims.append(plugins[0].last_metrics.get("mebp/heap_trims"))
             windows.close()
             self.last_windows = list(windows.windows)
             windows.windows.clear()
@@ -326,6 +329,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
         "peak_rss_above_import_mb": round(max(peak_rss, load_peak_rss) - rss0, 1),
         "peak_rss_mb": round(max(peak_rss, load_peak_rss), 1), "rss_after_import_mb": round(rss0, 1),
         "load_s": round(load_s, 2), "step_s": round(sum(steps.seconds[warmup:-1]) / max(1, measured), 3),
+        "heap_trims_per_step": steps.heap_trims[:-1],
         "breakdown": breakdown(steps.last_windows, anon0, runtime, peak_anon - anon0),
     }
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing import Any, Iterable, Literal, Mapping, Optional, get_args
 
 from lcsb_lightning.mebp._internal.formats import validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
 
+# The option types are Literals so that LightningCLI (jsonargparse) lists the choices and refuses another
+# value when it parses; a test pins Format to formats.FORMATS.
+Format = Literal["auto", "int4", "int4_asym", "nf4", "fp4"]
+Offload = Literal["none", "mmap"]
+WeightStorage = Literal["auto", "mmap", "ram"]
 #: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
-OFFLOAD_MODES: tuple[str, ...] = ("none", "mmap")
-#: Where the compressed weights live: memory-mapped files released after each use where the platform
-#: can release them (``auto``), memory-mapped files, or process memory.
-WEIGHT_STORAGE: tuple[str, ...] = ("auto", "mmap", "ram")
+OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
+#: Where the compressed weights live: decided when the training device is known (``auto``), memory-mapped
+#: files, or process memory.
+WEIGHT_STORAGE: tuple[str, ...] = get_args(WeightStorage)
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -33,7 +36,9 @@ class MeBPConfig:
     config they override its fields (``dataclasses.replace``).
 
     Args:
-        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        fmt: ``"int4"`` (MeBP's) or ``"int4_asym"`` (a scale and a minimum per group; both plain torch),
+            ``"nf4"`` or ``"fp4"`` (bitsandbytes), or ``"auto"``: a GGUF file's own blocks kept as they
+            are where they map (:func:`~lcsb_lightning.mebp.load_compressed`), ``"int4_asym"`` elsewhere.
         group_size: Weights per scale; must divide every converted layer's input features (for
             ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096).
         checkpoint: Per-block non-reentrant gradient checkpointing.
@@ -43,20 +48,37 @@ class MeBPConfig:
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
         weights: ``"mmap"`` writes the compressed weights to memory-mapped files and drops each
             layer's pages from the process after it ran, as MeBP reads them from flash (CPU,
-            Linux/macOS); ``"ram"`` keeps them in process memory; ``"auto"`` (the default) is
-            ``"mmap"`` where the platform has ``madvise``, else ``"ram"``.
+            Linux/macOS); ``"ram"`` keeps them in process memory. ``"auto"`` (the default) decides
+            when the training device is known: memory-mapped for a model that trains on the CPU, where
+            ``madvise`` exists and ``offload_dir`` (or the system temp dir) is not on a RAM file system
+            (tmpfs), else in RAM. ``QuantizedMeBP`` decides at fit start, after Lightning moved the
+            model; ``apply_mebp`` and ``load_compressed`` map CPU weights right away only on a machine
+            without an accelerator Lightning would pick (CUDA, MPS, XLA). Weights that leave the CPU
+            drop their mappings.
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
             backward recompute until that Linear's backward (one backward decompression per layer,
             every Linear of the block decompressed at once). ``False`` decompresses it again there
             instead: the same gradients, bit for bit, with at most one layer's float weight alive at
             a time, for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before each block runs and before
-            its recompute (glibc ``malloc_trim``): the resident set stays flat instead of growing
-            from step to step, for a few percent of step time.
-        map_large_allocations: On CPU, give every allocation of 256 KiB and more pages of its own,
-            returned to the OS when it is freed (glibc's mmap threshold, fixed for the whole process
-            from the conversion on): no freed activation stays resident, for page faults at every
-            allocation (a lower peak, a slower step: docs/mebp.md).
+            its recompute, once the resident set grew by 16 MiB since the last time, at most
+            ``heap.MAX_TRIMS_PER_STEP`` times per training step (glibc ``malloc_trim``; a no-op with
+            another allocator): the resident set stays flat instead of growing from step to step, for
+            page faults that lengthen the step (docs/mebp.md).
+        map_large_allocations: Off by default: it changes malloc for the **whole process, for good**.
+            On glibc it fixes the mmap threshold at 256 KiB (``mallopt(M_MMAP_THRESHOLD)``, which also
+            turns off glibc's adaptive threshold; nothing can turn it back on), so that an allocation
+            of 256 KiB and more that the heap's free space cannot serve gets pages of its own, returned
+            to the OS when freed: freed activations do not stay resident, for page faults at every
+            such allocation (a lower peak, a slower step: docs/mebp.md). It acts from the conversion
+            on (set it where the model is loaded, before the heap has grown) and is warned about
+            where it has no effect (not glibc, or another allocator preloaded).
+        free_grads_after_step: Off by default: it changes what Lightning users observe. Set the
+            gradients to ``None`` right after each optimizer step in automatic optimization, instead
+            of where Lightning zeroes them (after the next ``training_step``), so that they are not
+            held through the next forward. ``on_before_zero_grad``, ``on_train_batch_end`` and
+            anything after the step then see no gradient, and an ``optimizer_zero_grad`` override
+            does not decide how they are freed. Manual optimization is left alone.
         offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
         sync_timing: Synchronise the device before and after every timed decompression, recompute and
             backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
@@ -64,7 +86,8 @@ class MeBPConfig:
 
     Raises:
         ValueError: an unknown ``fmt``, ``offload`` or ``weights``, an unsupported ``group_size``, or
-            ``weights="mmap"`` where ``madvise`` is missing.
+            ``weights="mmap"`` where ``madvise`` is missing (checked as the config is built, without
+            logging anything).
         TypeError: a flag that is not a bool, ``ignore_modules`` that is not a collection of names.
         ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
 
@@ -77,23 +100,24 @@ class MeBPConfig:
         'int4'
     """
 
-    fmt: str = "nf4"
+    fmt: Format = "nf4"
     group_size: int = 64
     checkpoint: bool = True
-    offload: str = "none"
+    offload: Offload = "none"
     compress_embeddings: bool = True
     ignore_modules: tuple[str, ...] = ()
-    weights: str = "auto"
+    weights: WeightStorage = "auto"
     keep_recomputed_weights: bool = True
     release_heap: bool = True
     map_large_allocations: bool = False
-    offload_dir: str | None = None
+    free_grads_after_step: bool = False
+    offload_dir: Optional[str] = None
     sync_timing: bool = False
 
     def __post_init__(self) -> None:
         validate_format(self.fmt, self.group_size)
         for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "map_large_allocations",
-                     "compress_embeddings", "sync_timing"):
+                     "free_grads_after_step", "compress_embeddings", "sync_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.offload not in OFFLOAD_MODES:
@@ -102,10 +126,6 @@ class MeBPConfig:
             raise ValueError(f"`weights={self.weights!r}` is not supported; choose one of {_choices(WEIGHT_STORAGE)}.")
         if self.weights == "mmap" and not mmap_supported():
             raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
-        if self.weights == "auto":
-            if not mmap_supported():
-                rank_zero_info("MeBPConfig: weights='auto' keeps the compressed weights in RAM here (no madvise).")
-            object.__setattr__(self, "weights", "mmap" if mmap_supported() else "ram")
         names: Any = self.ignore_modules
         if not isinstance(names, str) and isinstance(names, Iterable):
             names = tuple(names)  # a list, a generator, or Hydra's ListConfig
@@ -128,8 +148,24 @@ class MeBPConfig:
         return build_config(None, {key: value for key, value in node.items() if not str(key).startswith("_")})
 
 
+def _defaults() -> MeBPConfig:
+    # Built without __post_init__, which would import bitsandbytes for the default fmt="nf4" at import
+    # time; build_config builds (and checks) a real one in its place.
+    config = object.__new__(MeBPConfig)
+    for field in dataclasses.fields(MeBPConfig):
+        object.__setattr__(config, field.name, field.default)
+    return config
+
+
+#: MeBPConfig's defaults, as the default of a ``config`` argument: signatures (and LightningCLI's
+#: ``--print_config``) show every field's value; :func:`build_config` replaces it by a checked config.
+DEFAULT_CONFIG = _defaults()
+
+
 def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
     """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
+    if config is DEFAULT_CONFIG:
+        config = None
     if config is not None and not isinstance(config, MeBPConfig):
         raise TypeError(
             f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "

@@ -15,7 +15,7 @@ from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quant
 from lcsb_lightning.mebp._internal.heap import map_large_allocations
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats
-from lcsb_lightning.mebp._internal.storage import MappedWeights
+from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
@@ -247,7 +247,8 @@ def apply_mebp(
             "trainable and already quantized layers are never compressed)."
         )
     compressed = compress_modules(model, targets, config.fmt, config.group_size)
-    store = MappedWeights(config.offload_dir) if config.weights == "mmap" else None
+    device = next(iter(compressed.values())).weight.device
+    store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, device, config.offload_dir) else None
     if store is not None:
         map_compressed(compressed, store)
     return finish_conversion(model, found, compressed, config, store)

@@ -29,7 +29,7 @@ from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into, select_rows, stored_format
 from lcsb_lightning.mebp._internal.gguf_blocks import BLOCK
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, release_free_heap
-from lcsb_lightning.mebp._internal.storage import MappedWeights
+from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ def load_compressed(
     weight_source = _weight_source(model, model_config, kind, path, reader, seed)
 
     shared: dict[int, Packed] = {}
-    store = MappedWeights(config.offload_dir) if config.weights == "mmap" else None
+    store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, torch.device("cpu"), config.offload_dir) else None
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
     formats = {key: _target_format(weight_source, names[key], config) for key in unique}
     log.info("load_compressed: %s", _describe(formats, weight_source))

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Callable, Generator, Literal, Sequence, get_args
+from typing import Any, Callable, Generator, Literal, get_args
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.optim import Optimizer
 
+from lcsb_lightning.mebp._internal.heap import start_step, trims_this_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats
+from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
-from lcsb_lightning.mebp.config import MeBPConfig, build_config
-from lcsb_lightning.mebp.convert import apply_mebp, mebp_state
+from lcsb_lightning.mebp.config import DEFAULT_CONFIG, MeBPConfig, build_config
+from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, map_compressed, mebp_state
 
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
@@ -28,10 +31,30 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 
 
+def _place_weights(state: MeBPState) -> None:
+    """Map the compressed weights of a model that trains on the CPU (``weights="auto"``; ``"mmap"`` mapped
+    them at conversion), and let go of the weight store of one that trains elsewhere."""
+    config, store = state.config, state.weight_store
+    modules = list(state.compressed_modules.values())
+    device = modules[0].weight.device
+    mapped = maps_for_training(config.weights, device, config.offload_dir)
+    if config.weights == "mmap" and device.type != "cpu":
+        rank_zero_warn(f"QuantizedMeBP: weights='mmap' has no effect on a model that trains on {device}: its compressed "
+                       "weights are in device memory; use weights='auto' (the default) to write no files.")
+    if mapped and store is None:
+        store = MappedWeights(config.offload_dir)
+        map_compressed(state.compressed_modules, store)
+    elif not mapped and store is not None:
+        store.close()  # a model moved off the CPU dropped its mappings with its CPU tensors
+        store = None
+    state.weight_store = store
+    for module in modules:
+        module.weight_store = store  # type: ignore[assignment]
+
+
 _Precision = Literal["32-true", "bf16-mixed"]
 #: The Trainer precisions QuantizedMeBP runs with.
 PRECISIONS: tuple[str, ...] = get_args(_Precision)
-_FIELDS = frozenset(field.name for field in dataclasses.fields(MeBPConfig))
 
 
 class QuantizedMeBP(Precision):
@@ -51,16 +74,19 @@ class QuantizedMeBP(Precision):
     values are in :attr:`last_metrics`.
 
     Args:
-        config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults
-            without one). ``sync_timing`` applies to the timers of the model this plugin trains, also
-            one converted beforehand.
+        config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without
+            one). LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``) and
+            ``--print_config`` prints every field with its value. ``sync_timing`` applies to the timers
+            of the model this plugin trains, also one converted beforehand.
         precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
             ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
-        fmt, group_size, checkpoint, offload, compress_embeddings, ignore_modules, weights,
-            keep_recomputed_weights, release_heap, map_large_allocations, offload_dir, sync_timing: :class:`~lcsb_lightning.mebp.MeBPConfig`
-            fields (its docstring has what each does and its default), explicit for LightningCLI: without
+        **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields by keyword (``fmt="int4"``): without
             ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
-            instantiates it); ``None`` keeps the config's value.
+            instantiates the plugin).
+
+    Raises:
+        TypeError: an option that is not a ``MeBPConfig`` field, or a bad value (see ``MeBPConfig``).
+        ValueError: an unsupported ``precision``, or a bad value (see ``MeBPConfig``).
 
     Example::
 
@@ -71,28 +97,11 @@ class QuantizedMeBP(Precision):
     precision = "32-true"
 
     def __init__(
-        self,
-        config: MeBPConfig | None = None,
-        *,
-        precision: _Precision = "32-true",
-        fmt: Literal["auto", "int4", "int4_asym", "nf4", "fp4"] | None = None,
-        group_size: int | None = None,
-        checkpoint: bool | None = None,
-        offload: Literal["none", "mmap"] | None = None,
-        compress_embeddings: bool | None = None,
-        ignore_modules: Sequence[str] | None = None,
-        weights: Literal["auto", "mmap", "ram"] | None = None,
-        keep_recomputed_weights: bool | None = None,
-        release_heap: bool | None = None,
-        map_large_allocations: bool | None = None,
-        offload_dir: str | None = None,
-        sync_timing: bool | None = None,
+        self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true", **options: Any
     ) -> None:
-        # The fields by name from the arguments, so that no keyword is forgotten here (a test pins the set).
-        options = {name: value for name, value in locals().items() if name in _FIELDS and value is not None}
-        self.config = build_config(config, options, "QuantizedMeBP")
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
+        self.config = build_config(config, options, "QuantizedMeBP")
         self.precision = precision  # type: ignore[assignment]
         self._module: nn.Module | None = None
         self._stats = MeBPStats()
@@ -110,6 +119,13 @@ class QuantizedMeBP(Precision):
         self._stats.sync_timing = self.config.sync_timing
         self._stats.reset()
         return module
+
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        """Place the compressed weights for the device the strategy moved the model to (``weights``)."""
+        state = mebp_state(self._module) if self._module is not None else None
+        if state is not None:
+            _place_weights(state)
+        return super().connect(model, optimizers, lr_schedulers)
 
     @property
     def stats(self) -> MeBPStats:
@@ -134,6 +150,13 @@ class QuantizedMeBP(Precision):
             yield
 
     @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """Start the step's count of heap trims (``release_heap``: at most ``heap.MAX_TRIMS_PER_STEP``)."""
+        start_step()
+        with super().train_step_context():
+            yield
+
+    @contextlib.contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
         stats = self.stats
         enabled, stats.enabled = stats.enabled, False
@@ -149,10 +172,11 @@ class QuantizedMeBP(Precision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model, closure, **kwargs)
-        # Lightning zeroes the gradients between the next forward and its backward; freed now, they
-        # are not held through that forward, where the peak of a step with few trainable blocks is.
-        optimizer.zero_grad(set_to_none=True)
-        self.last_metrics = self.stats.as_dict()
+        if self.config.free_grads_after_step and getattr(model, "automatic_optimization", False):
+            # Lightning zeroes the gradients between the next forward and its backward; freed now, they
+            # are not held through that forward, where the peak of a step with few trainable blocks is.
+            optimizer.zero_grad(set_to_none=True)
+        self.last_metrics = {**self.stats.as_dict(), "mebp/heap_trims": float(trims_this_step())}
         self.stats.reset()
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:

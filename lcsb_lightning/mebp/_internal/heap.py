@@ -6,15 +6,21 @@ allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB t
 steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before each
 checkpointed block runs (forward and backward recompute). It trims only once the resident set has
 grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim, which keeps the RSS flat without
-re-faulting the same pages at every block. The state is per process, as the heap is.
+re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per training
+step (:func:`start_step`). The state is per process, as the heap is.
 
 glibc also serves an allocation above its mmap threshold from pages of its own, returned to the OS
 when freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so
 after the first step a block's activations and decompressed weights come from the heap, where their
 freed pages stay resident between trims. :func:`map_large_allocations` (``MeBPConfig.map_large_allocations``)
-fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (``mallopt(M_MMAP_THRESHOLD)``), once per process:
-every large allocation then faults its pages in afresh, which lowers the peak and slows the step
-(docs/mebp.md, "Memory").
+fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (``mallopt(M_MMAP_THRESHOLD)``) for the whole
+process and for good: glibc then never adapts it again, and has no call that would turn adapting back
+on. It applies to the allocations the heap's free space cannot serve, so it must be set before the
+heap has grown (docs/mebp.md, "Memory").
+
+Both act on glibc's malloc only: where the process's ``malloc`` is another allocator (macOS, musl,
+Windows, a preloaded jemalloc or tcmalloc) trimming is skipped and :func:`map_large_allocations` warns
+that it has no effect.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ import os
 import threading
 from typing import Any, Callable
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 #: Growth of the resident set since the last trim that triggers the next one.
 RELEASE_THRESHOLD_BYTES = 16 << 20
+#: Most trims per training step: one before each of the forward and the recompute of 64 blocks.
+MAX_TRIMS_PER_STEP = 128
 #: Allocations at least this large get pages of their own, returned to the OS when freed.
 MMAP_THRESHOLD_BYTES = 256 << 10
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -35,17 +45,38 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _lock = threading.Lock()
 _rss_after_last_trim = 0
+_trims_this_step = 0
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name is not None else None
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _foreign_malloc() -> str | None:
+    """Why the process's ``malloc`` is not glibc's (None where it is)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+        return "the C library is not glibc"
+    try:
+        process_malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    except (OSError, AttributeError, TypeError):  # no dlopen(NULL) (Windows)
+        return None
+    if process_malloc != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+        return "another allocator replaces glibc's malloc (LD_PRELOAD: jemalloc, tcmalloc, ...)"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def _glibc(function: str) -> Callable[..., Any] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return getattr(ctypes.CDLL(name), function)
-    except (OSError, AttributeError):  # not glibc
-        return None
+    """``function`` of glibc's malloc, where it is the process's allocator."""
+    libc = _libc()
+    return getattr(libc, function) if libc is not None and _foreign_malloc() is None else None
 
 
 def _malloc_trim() -> Callable[[int], Any] | None:
@@ -54,9 +85,14 @@ def _malloc_trim() -> Callable[[int], Any] | None:
 
 @functools.lru_cache(maxsize=1)
 def map_large_allocations() -> bool:
-    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (once per process); whether it could."""
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (once per process, for good);
+    whether it could. Where it cannot, warns that ``map_large_allocations`` has no effect."""
     mallopt = _glibc("mallopt")
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    done = mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    if not done:
+        reason = _foreign_malloc() or "mallopt(M_MMAP_THRESHOLD) refused the value"
+        rank_zero_warn(f"`map_large_allocations=True` has no effect here: {reason}. The peak is as without it.")
+    return done
 
 
 def heap_release_supported() -> bool:
@@ -82,14 +118,32 @@ def release_free_heap() -> None:
         _rss_after_last_trim = resident_bytes() or 0
 
 
-def maybe_release_free_heap(threshold: int = RELEASE_THRESHOLD_BYTES) -> bool:
+def start_step() -> None:
+    """Start a training step's count of trims (``QuantizedMeBP`` calls it before each ``training_step``)."""
+    global _trims_this_step
+    _trims_this_step = 0
+
+
+def trims_this_step() -> int:
+    """How many times :func:`maybe_release_free_heap` trimmed since :func:`start_step`."""
+    return _trims_this_step
+
+
+def maybe_release_free_heap(threshold: int | None = None, max_trims: int | None = None) -> bool:
     """:func:`release_free_heap` if the resident set grew by ``threshold`` bytes since the last trim
-    (always, where the resident set cannot be read); returns whether it trimmed."""
+    (always, where the resident set cannot be read) and this step trimmed fewer than ``max_trims``
+    times (defaults: :data:`RELEASE_THRESHOLD_BYTES`, :data:`MAX_TRIMS_PER_STEP`); returns whether it trimmed."""
+    global _trims_this_step
+    threshold = RELEASE_THRESHOLD_BYTES if threshold is None else threshold
+    max_trims = MAX_TRIMS_PER_STEP if max_trims is None else max_trims
     if _malloc_trim() is None:
         return False
     with _lock:
+        if _trims_this_step >= max_trims:
+            return False
         rss = resident_bytes()
         if rss is not None and rss - _rss_after_last_trim < threshold:
             return False
         release_free_heap()
+        _trims_this_step += 1
         return True

@@ -8,13 +8,16 @@ drops the mapping's pages from the process (``madvise(MADV_DONTNEED)``): the byt
 cache (or on disk, under memory pressure) and the next use maps them back. The process's resident
 set then holds the compressed weights of the layers running now, not of the whole model.
 
-Linux and macOS only (``madvise``); CPU tensors only (a model moved to CUDA holds its codes in GPU
-memory as usual). A store releases only the mappings it made: a copy of the model (``copy.deepcopy``,
-pickle: EMA, SWA) holds its codes as ordinary heap tensors, which it keeps resident, and a tensor
-that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages would zero them.
+Linux and macOS only (``madvise``); CPU tensors only. The store holds its mappings weakly: they live
+as long as the tensors holding them, so a model moved off the CPU (``.to("cuda")``, ``_apply``) drops
+them, and with them their pages. A store releases only the mappings it made: a copy of the model
+(``copy.deepcopy``, pickle: EMA, SWA) holds its codes as ordinary heap tensors, which it keeps
+resident, and a tensor that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages
+would zero them.
 
 The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``) the bytes stay in
-RAM, outside the process's RSS, and a warning says so.
+RAM, outside the process's RSS, and a warning says so. :func:`maps_at_conversion` and
+:func:`maps_for_training` are where ``weights="auto"`` is decided.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import weakref
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lcsb_lightning.mebp._internal.formats import Packed
 
@@ -73,6 +77,57 @@ def mmap_supported() -> bool:
     return _MADVISE is not None
 
 
+#: File systems whose files are RAM: mapping them saves nothing.
+RAM_FILE_SYSTEMS: tuple[str, ...] = ("tmpfs", "ramfs")
+
+
+def on_ram_file_system(directory: str | None) -> bool:
+    """Whether ``directory`` (the system temp dir for None) is on a RAM file system."""
+    return filesystem_type(directory or tempfile.gettempdir()) in RAM_FILE_SYSTEMS
+
+
+def accelerator_available() -> bool:
+    """Whether Lightning's ``accelerator="auto"`` would train on an accelerator here (XLA, MPS, CUDA)."""
+    from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator, XLAAccelerator
+
+    return any(accelerator.is_available() for accelerator in (XLAAccelerator, MPSAccelerator, CUDAAccelerator))
+
+
+_auto_reasons_logged: set[str] = set()
+
+
+def maps_for_training(weights: str, device: torch.device, directory: str | None) -> bool:
+    """Whether compressed weights that train on ``device`` go to memory-mapped files (``weights`` is
+    ``"auto"``, ``"mmap"`` or ``"ram"``; ``directory`` is ``offload_dir``).
+
+    ``"auto"`` maps them on the CPU where ``madvise`` exists and ``directory`` is on a disk; why it keeps
+    CPU weights in RAM is logged once per process and reason.
+    """
+    if weights != "auto" or device.type != "cpu":
+        return weights == "mmap" and device.type == "cpu"
+    reason = None
+    if not mmap_supported():
+        reason = "this platform has no madvise"
+    elif on_ram_file_system(directory):
+        reason = f"{directory or tempfile.gettempdir()} is on a RAM file system (set offload_dir to a disk directory)"
+    if reason is not None and reason not in _auto_reasons_logged:
+        _auto_reasons_logged.add(reason)
+        rank_zero_info(f"QuantizedMeBP: weights='auto' keeps the compressed weights in RAM: {reason}.")
+    return reason is None
+
+
+def maps_at_conversion(weights: str, device: torch.device, directory: str | None) -> bool:
+    """Whether ``apply_mebp``/``load_compressed`` map the weights they compress on ``device`` right away.
+
+    ``"mmap"`` maps CPU weights; ``"auto"`` only where they will train where they are: on the CPU of a
+    machine without an accelerator (:func:`accelerator_available`). Otherwise ``QuantizedMeBP``
+    decides at fit start, when the model is on its training device (:func:`maps_for_training`).
+    """
+    if weights == "auto" and accelerator_available():
+        return False
+    return maps_for_training(weights, device, directory)
+
+
 class MappedWeights:
     """Writes compressed tensors to files and maps them back; see the module docstring.
 
@@ -104,9 +159,9 @@ class MappedWeights:
             )
         self._counter = itertools.count()
         self.bytes_mapped = 0
-        # Each mapping this store made, by start address. Holding the storages keeps the mappings
-        # alive, so no other allocation can reuse an address found here.
-        self._mappings: dict[int, torch.UntypedStorage] = {}
+        # Each mapping this store made, by start address, held weakly: a mapping lives as long as a
+        # tensor holds it, and while it lives no other allocation can have its address.
+        self._mappings: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
         atexit.register(self._finalizer)
 
@@ -119,7 +174,7 @@ class MappedWeights:
         os.unlink(path)  # the mapping keeps the file's pages; nothing is left on disk after exit
         self.bytes_mapped += data.numel() * data.element_size()
         storage = mapped.untyped_storage()
-        self._mappings[storage.data_ptr()] = storage
+        self._mappings[storage.data_ptr()] = weakref.ref(storage)
         self.release(mapped)
         return mapped
 
@@ -129,10 +184,15 @@ class MappedWeights:
         return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales), mins)
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` (or the tensor it is a view of) is one of this store's mappings."""
+        """Whether ``tensor`` (or the tensor it is a view of) is one of this store's live mappings."""
         if tensor.device.type != "cpu":
             return False
-        return tensor.untyped_storage().data_ptr() in self._mappings
+        ref = self._mappings.get(tensor.untyped_storage().data_ptr())
+        return ref is not None and ref() is not None
+
+    def live_mappings(self) -> int:
+        """How many of this store's mappings some tensor still holds."""
+        return sum(ref() is not None for ref in self._mappings.values())
 
     def release(self, tensor: torch.Tensor) -> None:
         """Drop the resident pages of a mapped tensor (its values stay; the next read maps them back).
@@ -146,7 +206,8 @@ class MappedWeights:
         _MADVISE(storage.data_ptr(), storage.nbytes(), _MADV_DONTNEED)  # a whole mapping: page-aligned
 
     def close(self) -> None:
-        """Remove the (empty) temporary directory; the mappings stay valid until their tensors are freed."""
+        """Remove the (empty) temporary directory. The store holds no mapping: each stays valid, and is
+        released after use, as long as a tensor holds it."""
         self._finalizer()
         atexit.unregister(self._finalizer)
 

@@ -1,0 +1,103 @@
+"""The process-wide malloc settings: ``map_large_allocations`` says where it has no effect and acts before the
+conversion allocates; ``release_heap``'s trims are bounded per training step."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from _mebp_utils import add_lora, tiny_llama, tokens
+from lcsb_lightning.mebp import apply_mebp, load_compressed
+from lcsb_lightning.mebp._internal import heap
+
+
+@pytest.fixture
+def fresh_heap_state() -> Any:
+    heap.map_large_allocations.cache_clear()
+    yield
+    heap.map_large_allocations.cache_clear()
+
+
+@pytest.mark.parametrize(("mallopt", "reason"), [
+    (None, "the C library is not glibc"),
+    (lambda *args: 0, "mallopt\\(M_MMAP_THRESHOLD\\) refused the value"),
+])
+def test_map_large_allocations_warns_where_it_has_no_effect(monkeypatch: pytest.MonkeyPatch, fresh_heap_state: Any,
+                                                            mallopt: Any, reason: str) -> None:
+    monkeypatch.setattr(heap, "_glibc", lambda name: mallopt if name == "mallopt" else None)
+    monkeypatch.setattr(heap, "_foreign_malloc", lambda: "the C library is not glibc" if mallopt is None else None,
+                        raising=False)
+    with pytest.warns(UserWarning, match=f"`map_large_allocations=True` has no effect here: {reason}"):
+        assert heap.map_large_allocations() is False
+
+
+def test_a_preloaded_allocator_turns_both_mechanisms_off(monkeypatch: pytest.MonkeyPatch, fresh_heap_state: Any) -> None:
+    if heap._foreign_malloc() is not None:
+        pytest.skip("not glibc's malloc here")
+    reason = "another allocator replaces glibc's malloc (LD_PRELOAD: jemalloc, tcmalloc, ...)"
+    monkeypatch.setattr(heap, "_foreign_malloc", lambda: reason)
+    heap._glibc.cache_clear()
+    try:
+        assert not heap.heap_release_supported()
+        with pytest.warns(UserWarning, match="has no effect here: another allocator replaces glibc's malloc"):
+            assert heap.map_large_allocations() is False
+    finally:
+        heap._glibc.cache_clear()
+
+
+@pytest.mark.parametrize("load", [True, False], ids=["load_compressed", "apply_mebp"])
+def test_map_large_allocations_acts_before_the_conversion_allocates(monkeypatch: pytest.MonkeyPatch,
+                                                                    fresh_heap_state: Any, load: bool) -> None:
+    """The threshold applies only to what the heap's free space cannot serve: it must come first."""
+    from lcsb_lightning.mebp import convert, loading
+
+    events: list[str] = []
+    monkeypatch.setattr(heap, "_glibc", lambda name: (lambda *args: events.append("mallopt") or 1) if name == "mallopt" else None)
+    for module, name in ((loading, "allocate_packed"), (convert, "allocate_packed"), (loading, "_meta_model")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, **k: events.append("allocate") or _f(*a, **k))
+    if load:
+        load_compressed(tiny_llama(num_layers=1).config, fmt="int4", group_size=32, map_large_allocations=True)
+    else:
+        apply_mebp(add_lora(tiny_llama(num_layers=1)), fmt="int4", group_size=32, map_large_allocations=True)
+    assert events[0] == "mallopt" and "allocate" in events and events.count("mallopt") == 1, events
+
+
+@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
+def test_release_heap_trims_at_most_max_trims_per_step() -> None:
+    heap.start_step()
+    trimmed = [heap.maybe_release_free_heap(threshold=0, max_trims=3) for _ in range(5)]
+    assert trimmed == [True, True, True, False, False] and heap.trims_this_step() == 3
+    heap.start_step()
+    assert heap.maybe_release_free_heap(threshold=0, max_trims=3)
+
+
+@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
+def test_the_plugin_counts_the_trims_of_each_step(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lcsb_lightning.mebp import QuantizedMeBP
+
+    monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 0)  # a trim before every block and recompute ...
+    monkeypatch.setattr(heap, "MAX_TRIMS_PER_STEP", 5)  # ... 8 a step, but 5 allowed
+
+    class Lora(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = add_lora(copy.deepcopy(tiny_llama(num_layers=4)))
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    plugin = QuantizedMeBP(fmt="int4", group_size=32)
+    Trainer(accelerator="cpu", max_steps=2, plugins=[plugin], default_root_dir=tmp_path, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+        Lora(), DataLoader(TensorDataset(tokens(batch=4)), batch_size=2))
+    assert plugin.last_metrics["mebp/heap_trims"] == 5
