@@ -113,7 +113,8 @@ def test_redecompressing_in_backward_gives_the_same_gradients_for_one_more_decom
 
 
 @pytest.mark.parametrize("checkpoint", [True, False])
-def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: pytest.MonkeyPatch, checkpoint: bool) -> None:
+def test_release_heap_trims_around_every_block_and_before_every_recompute(monkeypatch: pytest.MonkeyPatch,
+                                                                          checkpoint: bool) -> None:
     from lcsb_lightning.mebp._internal import checkpoint as checkpoint_module
 
     calls: list[int] = []
@@ -122,10 +123,11 @@ def test_release_heap_trims_before_every_block_and_every_recompute(monkeypatch: 
     released = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=True)
     plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=False)
     _assert_same_training(released, plain)
-    assert len(calls) == 3 * (2 if checkpoint else 1)  # each block's forward, and its recompute
+    per_block = 3 if checkpoint else 2  # before and after each block's forward, and before its recompute
+    assert len(calls) == 3 * per_block
     with torch.no_grad():
         released(tokens())
-    assert len(calls) == 3 * (2 if checkpoint else 1)  # not while evaluating
+    assert len(calls) == 3 * per_block  # not while evaluating
 
 
 @linux_only

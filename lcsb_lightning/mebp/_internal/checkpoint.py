@@ -45,7 +45,7 @@ class BlockCheckpoint:
             back-propagated block's forward: with checkpointing it receives the block's checkpoint
             inputs, without it every activation the block saves.
         stats: Receives the recompute timings (none recorded without it).
-        release_heap: On CPU, return freed heap memory to the OS before the block runs with
+        release_heap: On CPU, return freed heap memory to the OS before and after the block runs with
             gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
     """
 
@@ -68,8 +68,18 @@ class BlockCheckpoint:
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         device = _first_device(args, kwargs)
-        if self.release_heap and torch.is_grad_enabled() and device.type == "cpu":
+        release = self.release_heap and torch.is_grad_enabled() and device.type == "cpu"
+        if release:
             maybe_release_free_heap()
+        output = self._run(inner, device, *args, **kwargs)
+        if release:
+            # What the block freed leaves before the next one runs (which trims again only after more
+            # growth) and, after the last block, before the loss: its window holds the previous step's
+            # gradients, which Lightning zeroes only after training_step.
+            maybe_release_free_heap()
+        return output
+
+    def _run(self, inner: Callable[..., Any], device: torch.device, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or cuts(self.block, args, kwargs) or is_frozen(self.block):
             return inner(*args, **kwargs)
         context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()

@@ -3,8 +3,8 @@
 glibc keeps freed memory in its heaps for reuse. A training step allocates its activations,
 gradients and temporaries among longer-lived tensors, so the freed pages stay resident: with the
 allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB to over 2 GB in four
-steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before each
-checkpointed block runs (forward and backward recompute). It trims only once the resident set has
+steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before and after
+each checkpointed block's forward and before its backward recompute. It trims only once the resident set has
 grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim, which keeps the RSS flat without
 re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per training
 step (:func:`start_step`). The state is per process, as the heap is.
@@ -36,7 +36,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 #: Growth of the resident set since the last trim that triggers the next one.
 RELEASE_THRESHOLD_BYTES = 16 << 20
-#: Most trims per training step: one before each of the forward and the recompute of 64 blocks.
+#: Most trims per training step, a backstop behind the growth threshold (the 0.5B shape trims 49 times:
+#: before each of its 24 blocks and recomputes, and before the loss).
 MAX_TRIMS_PER_STEP = 128
 #: Allocations at least this large get pages of their own, returned to the OS when freed.
 MMAP_THRESHOLD_BYTES = 256 << 10
