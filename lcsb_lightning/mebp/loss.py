@@ -276,7 +276,7 @@ def lm_head_predictions(
     running_sum, picked = hidden.new_zeros(n), hidden.new_zeros(n)
     best = torch.zeros(n, dtype=torch.long, device=hidden.device)
     for rows, weight, bias in _weight_blocks(lm_head, hidden.dtype, "forward"):
-        logits, _ = _transform(F.linear(hidden, weight, bias), logit_scale, logit_softcap)
+        logits, _ = _transform(F.linear(hidden, weight, bias).float(), logit_scale, logit_softcap)  # float under autocast too
         block_max, block_arg = logits.max(dim=1)
         new_max = torch.maximum(running_max, block_max)
         best = torch.where(block_max > running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
