@@ -9,6 +9,8 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
+from lcsb_lightning.rank_zero import rank_zero_info
+
 BlocksSpec = Union[str, Callable[[nn.Module], "nn.ModuleList | list[nn.Module]"]]
 
 #: Dotted paths tried in order, relative to the unwrapped model, when no ``nn.ModuleList`` holds the block
@@ -156,9 +158,6 @@ def _report(stacks: list[Stack], outside: list[Stack]) -> None:
     """Say which stacks make the block list when it is not one obvious stack."""
     if len(stacks) < 2 and not outside:
         return
-    # Lightning's logger is the one a fit shows; imported here to keep `import lcsb_lightning` light.
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
     if len(stacks) > 1:
         message = (
             f"LCSB: one list of blocks from {len(stacks)} stacks, in execution order: {_describe(stacks)} "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
-from unittest.mock import patch
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -294,11 +295,31 @@ def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, bat
     """The loss of ``training_step`` run once more, in the training's precision, with its logging off.
 
     A re-run that logs would count its values twice in the epoch's aggregates, and Lightning has no switch that
-    mutes ``self.log`` (``barebones`` and a detached trainer warn at each call): both are no-ops for the call,
-    then whatever they were (a wrapper set on the instance included)."""
-    with patch.multiple(pl_module, log=_no_log, log_dict=_no_log), trainer.precision_plugin.train_step_context():
+    mutes ``self.log`` (``barebones`` and a detached trainer warn at each call)."""
+    with logging_muted(pl_module), trainer.precision_plugin.train_step_context():
         out = pl_module.training_step(batch, batch_idx)
     return out["loss"] if isinstance(out, dict) else out
+
+
+_LOG_METHODS = ("log", "log_dict")
+
+
+@contextmanager
+def logging_muted(pl_module: LightningModule) -> Iterator[None]:
+    """``pl_module.log`` and ``pl_module.log_dict`` do nothing inside the block; after it, each is what it was: the
+    instance's own attribute (a wrapper that instrumentation set on it) is put back, and where the class's method
+    served, the instance is left without an attribute of that name."""
+    own = {name: vars(pl_module)[name] for name in _LOG_METHODS if name in vars(pl_module)}
+    for name in _LOG_METHODS:
+        setattr(pl_module, name, _no_log)
+    try:
+        yield
+    finally:
+        for name in _LOG_METHODS:
+            if name in own:
+                setattr(pl_module, name, own[name])
+            else:
+                delattr(pl_module, name)
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -8,18 +8,14 @@ stored: block ``k`` receives the stored hidden states, bit for bit what the froz
 That is the AutoFreeze / Egeria idea for multi-epoch fine-tuning: the first epoch after a freeze pays
 the frozen blocks' forward, the later ones pay nothing for them.
 
-An example is known by its tokens: :meth:`FrozenPrefix.set_batch` hashes each row of ``input_ids``
-before the forward pass. A right-padded row (``attention_mask`` ones, then zeros) is known by its real tokens
-and stored whole, its padding included, so a loss on the padded positions (``labels=input_ids`` with pad =
-EOS) gets what the frozen blocks compute there, never zeros. It replays in any batch no wider than the one
-it was stored from (under a masked attention no position depends on the padding after it), and a wider batch
-computes it again and stores it wider: with dynamic padding an example hits once seen in its widest batch.
-The tokens name the example, what block 0 receives decides: each stored output keeps a probe of block 0's
-input (per position, the sum of its hidden state and its ``position_ids``), and a batch replays only if
-the live probe equals the stored one at every position, so a ``training_step`` that masks or perturbs the
-inputs, shifts the positions or truncates the rows recomputes. Only the first forward pass after
-:meth:`~FrozenPrefix.set_batch` replays or stores; a second one in the same step, evaluation (a block in
-``eval()`` mode) and a forward pass with no batch set run the blocks as they are.
+An example is known by its tokens, and a stored output replays only where a probe of what block 0 receives
+matches what was stored (:mod:`lcsb_lightning.prefix_store`), so a ``training_step`` that masks or perturbs the
+inputs, shifts the positions or truncates the rows recomputes. With dynamic padding an example stored once replays
+into batches of any width as long as the loss reads no padded position (labels of -100 there), which the store learns
+from the gradient of a step; a loss that reads them (``labels=input_ids`` with pad = EOS) gets what the frozen blocks
+compute there, so a row then replays only into batches no wider than the one it was stored from. Only the first
+forward pass after :meth:`~FrozenPrefix.set_batch` replays or stores; a second one in the same step, evaluation (a
+block in ``eval()`` mode) and a forward pass with no batch set run the blocks as they are.
 
 The stored outputs live in host memory (the accelerator's is for the activations); a replay copies the
 batch's rows back. The prefix must really be frozen: the caller turns ``requires_grad`` off for its
@@ -31,72 +27,19 @@ that finds one stores nothing, with a warning.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lcsb_lightning.forward_wrap import ForwardStack, get_wrapper, install_wrapper, remove_wrapper
 from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable_leaves, uses_reentrant_checkpoint
+from lcsb_lightning.prefix_store import CacheStats, OutputStore, Row, batch_rows, input_probe
 
 #: Name of the frozen-prefix wrapper in a block's forward stack.
 FROZEN_WRAPPER = "lcsb_frozen_prefix"
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-@dataclass
-class CacheStats:
-    """Counters of a :class:`FrozenPrefix` (training batches only)."""
-
-    batches: int = 0
-    hits: int = 0
-    seeded: int = 0  # batches started from the outputs stored before the freeze grew
-    stored_examples: int = 0
-    stored_bytes: int = 0
-    dropped_examples: int = 0  # not stored: the cache was full
-
-
-class _Row:
-    """One example of the current batch: its key and, for a right-padded row, its real length."""
-
-    __slots__ = ("key", "length")
-
-    def __init__(self, key: bytes, length: int | None) -> None:
-        self.key, self.length = key, length
-
-
-def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[_Row]:
-    ids = input_ids.detach().to("cpu")
-    mask = attention_mask.detach().to("cpu") if attention_mask is not None else None
-    rows = []
-    for j in range(ids.shape[0]):
-        length = None
-        if mask is not None:
-            real = int(mask[j].sum())
-            right_padded = bool(mask[j, :real].all()) and not bool(mask[j, real:].any())
-            length = real if right_padded else None
-        if length is not None:
-            payload = b"r" + ids[j, :length].numpy().tobytes()
-        else:  # the whole row, its mask and its length: only the same batch layout hits
-            payload = b"f" + ids[j].numpy().tobytes() + (mask[j].numpy().tobytes() if mask is not None else b"")
-        rows.append(_Row(hashlib.blake2b(payload, digest_size=16).digest(), length))
-    return rows
-
-
-def _probe(hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-    """Per position of block 0's input, the sum of its hidden state and its ``position_ids`` (0 without), on the
-    host: ``(batch, sequence, 2)``."""
-    summed = hidden.detach().float().sum(-1)
-    positions = kwargs.get("position_ids")
-    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == summed.shape[-1]:
-        positions = positions.expand_as(summed).float()
-    else:
-        positions = torch.zeros_like(summed)
-    return torch.stack((summed, positions), -1).cpu()
 
 
 def _active_dropout(blocks: Sequence[nn.Module]) -> str | None:
@@ -109,97 +52,14 @@ def _active_dropout(blocks: Sequence[nn.Module]) -> str | None:
     return None
 
 
-def _nbytes(entry: tuple[torch.Tensor, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in entry)
-
-
-class _Store:
-    """The outputs kept on the host, within the budget, and how one becomes a block's output again."""
-
-    def __init__(self, max_bytes: int, dtype: torch.dtype | None) -> None:
-        self.max_bytes, self.dtype = max_bytes, dtype
-        self.entries: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (whole row's output, probe)
-        # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
-        self.previous: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.previous_frozen = 0
-        self.output_kind: tuple[type, tuple[Any, ...]] | None = None  # a block's output type, what follows the hidden
-        self.activation_dtype: torch.dtype | None = None
-        self.stats = CacheStats()
-        self.disabled_reason: str | None = None
-
-    def rebuild_output(self, hidden: torch.Tensor) -> Any:
-        assert self.output_kind is not None
-        kind, rest = self.output_kind
-        return hidden if kind is torch.Tensor else kind((hidden, *rest))
-
-    def remember(self, rows: list[_Row], probe: torch.Tensor, output: Any) -> None:
-        """Store the rows of block ``frozen - 1``'s ``output``, padding included, that are not stored as wide."""
-        hidden = output if isinstance(output, torch.Tensor) else output[0]
-        rest = () if isinstance(output, torch.Tensor) else tuple(output[1:])
-        if any(isinstance(item, torch.Tensor) for item in rest):
-            self.disable("a frozen block returns tensors besides its hidden states (attention weights or a KV cache)")
-            return
-        self.output_kind, self.activation_dtype = (type(output), rest), hidden.dtype
-        width = hidden.shape[1]
-        for j, row in enumerate(rows):
-            old = self.entries.get(row.key)
-            if (old is not None and old[0].shape[0] >= width) or (row.length or 0) > width:
-                continue  # stored as wide, or the live row is shorter than the batch's mask says
-            superseded = self.previous.pop(row.key, None)  # released before its successor is budgeted
-            if superseded is not None:
-                self.stats.stored_bytes -= _nbytes(superseded)
-            entry = (hidden[j].detach().to("cpu", self.dtype or hidden.dtype, copy=True), probe[j].clone())
-            freed = _nbytes(old) if old is not None else 0
-            if self.stats.stored_bytes - freed + _nbytes(entry) > self.max_bytes:
-                self.stats.dropped_examples += 1
-                continue
-            self.entries[row.key] = entry
-            self.stats.stored_examples += old is None
-            self.stats.stored_bytes += _nbytes(entry) - freed
-
-    def assemble(self, store: dict[bytes, tuple[torch.Tensor, torch.Tensor]], rows: list[_Row],
-                 probe: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-        """The stored output of every row of the batch, cut to the live width; None if one is missing or
-        narrower than the batch, or if its stored probe is not the live one (another input reaches block 0)."""
-        entries = [store.get(row.key) for row in rows]
-        if not entries or any(entry is None for entry in entries):
-            return None
-        width = probe.shape[1]
-        for row, (value, stored), live in zip(rows, entries, probe):  # type: ignore[misc]
-            # a right-padded row hits in any batch as wide as its real part, a whole-row key only as wide as stored
-            narrowest = value.shape[0] if row.length is None else row.length
-            if not narrowest <= width <= value.shape[0] or not torch.equal(stored[:width], live):
-                return None
-        out = torch.stack([value[:width] for value, _ in entries])  # type: ignore[index]
-        return out.to(device=device, dtype=self.activation_dtype)
-
-    def disable(self, reason: str) -> None:
-        if self.disabled_reason is None and self.max_bytes > 0:
-            rank_zero_warn(f"FrozenPrefix stores nothing: {reason}; the frozen blocks still run without a graph.")
-        self.disabled_reason = reason
-        self.max_bytes = 0
-        self.clear()
-
-    def clear(self) -> None:
-        self.entries, self.previous, self.previous_frozen = {}, {}, 0
-        self.stats.stored_examples = self.stats.stored_bytes = 0
-
-    def grow(self, frozen: int) -> None:
-        """The freeze grows from ``frozen`` blocks: the outputs stored so far become where the next ones start."""
-        previous = self.entries
-        self.clear()
-        self.previous, self.previous_frozen = previous, frozen
-        self.stats.stored_bytes = sum(_nbytes(entry) for entry in previous.values())
-
-
 class _Batch:
     """The current training batch: whether its first forward replays the stored outputs, is seeded by the
     previous ones or computes (and stores)."""
 
-    def __init__(self, rows: list[_Row]) -> None:
+    def __init__(self, rows: list[Row]) -> None:
         self.rows = rows
         self.forwards = self.size = 0  # block 0's forwards since set_batch (the first replays or stores), its rows
-        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see _probe)
+        self.probe: torch.Tensor | None = None  # the first forward's probe of block 0's input (see input_probe)
         self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
         self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
 
@@ -208,14 +68,14 @@ class _Batch:
         since, and as many rows as named."""
         return self.forwards == 1 and self.size == len(self.rows)
 
-    def start_forward(self, hidden: torch.Tensor, kwargs: dict[str, Any], store: _Store) -> None:
+    def start_forward(self, hidden: torch.Tensor, kwargs: dict[str, Any], store: OutputStore) -> None:
         """Block 0 starts a forward pass on ``hidden``: decide, for the named one, whether it replays."""
         self.forwards, self.size = self.forwards + 1, hidden.shape[0]
         if not self.named():
             return
         store.stats.batches += 1
         if store.max_bytes > 0:
-            self.probe = _probe(hidden, kwargs)
+            self.probe = input_probe(hidden, kwargs)
             self.hit = store.assemble(store.entries, self.rows, self.probe, hidden.device)
             self.seed = None if self.hit is not None else store.assemble(store.previous, self.rows, self.probe,
                                                                          hidden.device)
@@ -239,7 +99,10 @@ class FrozenBlockForward:
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         prefix, store, batch = self.prefix, self.prefix.store, self.prefix.batch
         if not prefix.active(self.index) or batch is None:
-            return inner(*args, **kwargs)
+            output = inner(*args, **kwargs)
+            if self.index == len(prefix.blocks) - 1 and batch is not None and batch.named() and prefix.active(0):
+                self._watch_top(output, batch, store)
+            return output
         last = self.index == prefix.frozen - 1
         hidden_in = hidden_input(args, kwargs)
         if self.index == 0:
@@ -257,10 +120,30 @@ class FrozenBlockForward:
             if last and store.max_bytes > 0 and named:
                 assert batch.probe is not None
                 store.remember(batch.rows, batch.probe, output)
+        if last and named:
+            hidden = output if isinstance(output, torch.Tensor) else output[0]
+            padded = store.padding_to_watch(batch.rows, hidden, batch.hit is not None or batch.seed is not None)
+            if padded is not None:
+                output = replace_hidden(output, lambda hidden: store.watch_padding(hidden, padded))
         if last and prefix.frozen < len(prefix.blocks) and uses_reentrant_checkpoint(prefix.blocks[prefix.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
-            output = replace_hidden(output, lambda hidden: hidden.detach().requires_grad_())
+            output = replace_hidden(output, _requiring_grad)
         return output
+
+
+    @staticmethod
+    def _watch_top(output: Any, batch: _Batch, store: OutputStore) -> None:
+        """The top block's output in a named forward above frozen blocks: its gradient tells whether the loss reads
+        the padded positions, on every step whose backward starts in a block above the frozen ones."""
+        hidden = output if isinstance(output, torch.Tensor) else output[0]
+        if hidden.requires_grad:
+            padded = store.padding_to_watch(batch.rows, hidden, batch.hit is not None or batch.seed is not None)
+            if padded is not None:
+                store.watch_top(hidden, padded)
+
+
+def _requiring_grad(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden if hidden.requires_grad else hidden.detach().requires_grad_()
 
 
 class FrozenPrefix:
@@ -298,7 +181,7 @@ class FrozenPrefix:
             raise ValueError(f"`max_bytes={max_bytes}` must be >= 0 (0: store nothing).")
         self.blocks = list(blocks)
         self.frozen = 0  # how many of the lowest blocks are frozen
-        self.store = _Store(int(max_bytes), dtype)
+        self.store = OutputStore(int(max_bytes), dtype)
         self.batch: _Batch | None = None  # the current training batch; None: run the blocks as they are
         self.below: list[torch.Tensor] = []  # trainable tensors below the first block (an input embedding)
         self._stacks: list[ForwardStack] = []
@@ -319,6 +202,12 @@ class FrozenPrefix:
     def params_below(self) -> list[torch.Tensor]:
         """Trainable tensors found below the first block (an input embedding) by a frozen forward."""
         return list(self.below)
+
+    @property
+    def padding_read(self) -> bool | None:
+        """Whether the training step's loss reads the frozen blocks' output at padded positions (then a stored row
+        replays only into batches no wider than it was stored from); None until a step's gradient has shown it."""
+        return self.store.padding_read
 
     @property
     def hit(self) -> bool:
@@ -367,9 +256,9 @@ class FrozenPrefix:
         if not self.frozen:
             self.batch = _Batch([])
         elif self.store.max_bytes:
-            self.batch = _Batch(_rows(input_ids, attention_mask))
+            self.batch = _Batch(batch_rows(input_ids, attention_mask))
         else:  # storing nothing: no key to compute, no host copy
-            self.batch = _Batch([_Row(b"", None)] * input_ids.shape[0])
+            self.batch = _Batch([Row(b"", None)] * input_ids.shape[0])
 
     def end_batch(self) -> None:
         """The training batch is done: the next forward passes (evaluation) run the blocks as they are."""

@@ -113,7 +113,7 @@ def test_projection_rows_per_pipeline_policy_and_steps_ratio() -> None:
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"pipelines": ["int8"]}, r"pipelines must name mebp options, got \['int8'\]; allowed: \['int4', 'nf4', 'none'\]"),
+    ({"pipelines": ["int8"]}, r"pipelines must name mebp options, got \['int8'\]; allowed: \['auto', 'int4', 'nf4', 'none'\]"),
     ({"rounds": 0}, "`benchmark.cost_model.rounds` must be an integer >= 1, got 0"),
     ({"steps_per_round": {"other": 2}}, "steps_per_round \\(of .tiny.; a mapping needs the shape or .default.\\). must be an integer >= 1, got None"),
     ({"depths": [2.0]}, r"in \(0, 1\], got \[2.0\]"),

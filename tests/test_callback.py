@@ -142,7 +142,7 @@ def test_a_resume_with_other_policy_arguments_is_refused_before_any_step(residua
 
     fit(TokenLM(residual_net(num_blocks=8)), levels=4, steps=2)
     resumed = TokenLM(residual_net(num_blocks=8))
-    with pytest.raises(ValueError, match="the checkpoint has levels=4, this policy has levels=3"):
+    with pytest.raises(ValueError, match="the checkpoint has levels=4, this policy has levels=3.*build the policy with `levels=4`"):
         fit(resumed, levels=3, steps=4, ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.losses == []
 
@@ -272,3 +272,17 @@ def test_the_probe_mutes_logging_for_its_rerun_only(residual_net) -> None:
     assert len(model.losses) == 6 + 3  # training_step ran again at steps 0, 2 and 4
     assert model.logged.count("train/loss") == 6  # the re-runs logged nothing, the steps everything
     assert model.log is wrapper
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["instance-attribute", "class-method"])
+def test_muted_logging_restores_exactly_what_was_there(residual_net, own: bool) -> None:
+    from lcsb_lightning.callback import logging_muted
+
+    model = _LoggingLM(residual_net(num_blocks=2)) if own else TokenLM(residual_net(num_blocks=2))
+    before = dict(vars(model))
+    with pytest.raises(RuntimeError, match="inside"), logging_muted(model):
+        assert model.log("x", 1.0) is None and model.log_dict({"x": 1.0}) is None  # no trainer needed: muted
+        raise RuntimeError("inside")
+    assert {k: v for k, v in vars(model).items() if k in ("log", "log_dict")} == \
+        {k: v for k, v in before.items() if k in ("log", "log_dict")}
+    assert ("log" in vars(model)) == own and "log_dict" not in vars(model)

@@ -93,7 +93,7 @@ def _peft(name: str, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_auto_finds_every_stack_in_execution_order(name: str, wrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     infos: list[str] = []
-    monkeypatch.setattr("lightning.pytorch.utilities.rank_zero.rank_zero_info", infos.append)
+    monkeypatch.setattr("lcsb_lightning.blocks.rank_zero_info", infos.append)
     model = MODELS[name][0]() if wrap == "plain" else _peft(name)
     expected = MODELS[name][1](unwrap_model(model))
     found = find_blocks(Holder(model) if wrap == "lightning" else model)
@@ -126,7 +126,7 @@ def test_blocks_outside_the_declared_stacks_are_named() -> None:
     model._no_split_modules = {"LlamaDecoderLayer", "LlamaMLP"}  # what post_init gathers from sub-models
     infos: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("lightning.pytorch.utilities.rank_zero.rank_zero_info", infos.append)
+        mp.setattr("lcsb_lightning.blocks.rank_zero_info", infos.append)
         assert find_blocks(model) == list(model.model.layers)
     assert infos == ["LCSB: blocks model.layers (3 x LlamaDecoderLayer); left outside the blocks, never selected: "
                      "vision (2 x LlamaMLP)."]

@@ -187,7 +187,7 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("lcsb.unreached=skip", "lcsb: `unreached='skip'` is not supported; allowed: skip_below, implicit"),
     ("lcsb.backward=truncated", "lcsb: `backward='truncated'` is not supported; allowed: identity, selected_only, all_reached"),
     ("lcsb.probe_every=-1", "lcsb: `probe_every` must be an integer >= 0, got -1"),
-    ("mebp=int4 mebp.fmt=q4_k", "mebp: `fmt='q4_k'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
+    ("mebp=int4 mebp.fmt=q4_k", "mebp: `fmt='q4_k'` is not supported; choose one of 'auto', 'int4', 'int4_asym', 'nf4', 'fp4'"),
     ("mebp=int4 mebp.weights=disk", "mebp: `weights='disk'` is not supported; choose one of 'auto', 'mmap', 'ram'"),
     ("guard.action=retry", "guard: `action='retry'` is not supported; allowed: skip, rollback, stop"),
     ("guard=stop guard.spike_factor=0.5", "guard: `spike_factor` must be > 1, got 0.5"),

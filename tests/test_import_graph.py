@@ -4,6 +4,8 @@ imports itself through others, and none imports another module's ``_private`` na
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -74,3 +76,24 @@ def _private_imports() -> list[str]:
 
 def test_no_private_names_imported_from_other_modules() -> None:
     assert _private_imports() == []
+
+
+#: The plain-torch core: what a hand-written training loop imports to use selective backprop or the frozen prefix.
+PLAIN_TORCH_CORE = ("lcsb_lightning.policies", "lcsb_lightning.controller", "lcsb_lightning.prefix_cache",
+                    "lcsb_lightning.blocks")
+
+
+def test_the_plain_torch_core_does_not_import_lightning_pytorch() -> None:
+    """``LCSBController`` is the way to use selective backprop in a plain loop: importing it must not load Lightning's
+    trainer (about 2.8 s). In a fresh interpreter, since this one has imported Lightning already."""
+    code = (f"import sys, {', '.join(PLAIN_TORCH_CORE)}\n"
+            "print(sorted(name for name in sys.modules if name.split('.')[:2] == ['lightning', 'pytorch'])[:5])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_library_code_does_not_use_unittest() -> None:
+    """``unittest.mock`` is a test tool: library code restores what it changes itself, explicitly."""
+    uses = [f"{MODULES[m].relative_to(ROOT.parent)}:{line}" for m in MODULES for target, _, line in _imports(m)
+            if target.split(".")[0] == "unittest"]
+    assert uses == []

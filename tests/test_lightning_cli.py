@@ -110,4 +110,4 @@ def test_a_bad_value_is_refused_before_the_model_is_built(recipe: ModuleType, ca
                      "--trainer.plugins.config.fmt=int3"])
     assert exit_.value.code == 2
     message = capsys.readouterr().err
-    assert "int3" in message and "fmt" in message and "'int4', 'nf4', 'fp4'" in message, message
+    assert "int3" in message and "fmt" in message and "'int4', 'int4_asym', 'nf4', 'fp4'" in message, message

@@ -129,7 +129,7 @@ def test_state_records_what_was_installed() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"fmt": "int3"}, ValueError, r"`fmt='int3'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
+        ({"fmt": "int3"}, ValueError, r"`fmt='int3'` is not supported; choose one of 'auto', 'int4', 'int4_asym', 'nf4', 'fp4'"),
         ({"fmt": "int4", "group_size": 48}, ValueError,
          r"`group_size=48` does not divide the 64 input features of `model.layers.0.self_attn.q_proj`"),
         ({"fmt": "int4", "offload": "disk"}, ValueError, r"`offload='disk'` is not supported; choose one of 'none', 'mmap'"),

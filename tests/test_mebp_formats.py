@@ -74,7 +74,7 @@ def test_compressed_embedding_looks_up_dequantized_rows(fmt: str) -> None:
 @pytest.mark.parametrize(
     ("fmt", "group_size", "error", "match"),
     [
-        ("int8", 64, ValueError, r"`fmt='int8'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
+        ("int8", 64, ValueError, r"`fmt='int8'` is not supported; choose one of 'auto', 'int4', 'int4_asym', 'nf4', 'fp4'"),
         ("int4", 0, ValueError, r"`group_size` must be an even integer >= 2, got 0"),
         ("int4", 7, ValueError, r"`group_size` must be an even integer >= 2, got 7"),
         ("nf4", 48, ValueError, r"`group_size=48` is not a bitsandbytes block size for `fmt='nf4'`"),

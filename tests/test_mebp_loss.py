@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,29 @@ def test_chunked_loss_equals_the_models_own_loss(arch: str, head_kind: str) -> N
     for grad, reference_grad in zip(torch.autograd.grad(loss, params, allow_unused=True), reference_grads):
         torch.testing.assert_close(grad if grad is not None else torch.zeros_like(reference_grad), reference_grad,
                                    atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_kind", ["linear", "compressed", "callable"])
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.5, 3.0)])
+def test_lm_head_predictions_equal_the_full_logits(monkeypatch: pytest.MonkeyPatch, head_kind: str, scale: float,
+                                                   softcap: float | None) -> None:
+    """Per-position NLL and argmax of the evaluation, streamed over vocabulary blocks of 128 rows (8 blocks)."""
+    from lcsb_lightning.mebp import loss
+    from lcsb_lightning.mebp.compressed import CompressedLinear
+
+    monkeypatch.setattr(loss, "VOCAB_BLOCK_ELEMENTS", 64 * 128)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 1000).requires_grad_(False)
+    head: Any = {"linear": linear, "compressed": CompressedLinear.from_linear(linear, "int4", 32)}.get(head_kind, None)
+    weight = head.decompress() if head_kind == "compressed" else linear.weight
+    if head is None:
+        head = lambda x: F.linear(x, weight, linear.bias)  # noqa: E731
+    hidden, targets = torch.randn(50, 64), torch.randint(0, 1000, (50,))
+    targets[[3, 7]] = -100
+    logits = F.linear(hidden, weight, linear.bias) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    nll, best = loss.lm_head_predictions(hidden, head, targets, scale, softcap)
+    expected = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
+    torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(best, logits.argmax(1)) and float(nll[3]) == 0.0

@@ -183,7 +183,7 @@ def test_mmap_directory_empty_after_exception_mid_step(tmp_path: Path, interrupt
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"fmt": "q4"}, ValueError, r"`fmt='q4'` is not supported; choose one of 'int4', 'nf4', 'fp4'"),
+        ({"fmt": "q4"}, ValueError, r"`fmt='q4'` is not supported; choose one of 'auto', 'int4', 'int4_asym', 'nf4', 'fp4'"),
         ({"offload": "ssd"}, ValueError, r"`offload='ssd'` is not supported; choose one of 'none', 'mmap'"),
         ({"fmt": "fp4", "group_size": 16}, ValueError, r"`group_size=16` is not a bitsandbytes block size"),
     ],

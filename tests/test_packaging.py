@@ -48,7 +48,7 @@ def test_phone_budget_recipe_composes_from_the_recipes_folder(tmp_path: Path) ->
     done = subprocess.run([script, "--config-dir", str(ROOT / "recipes"), "--config-name", "phone_budget", "--cfg", "job"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "fmt: int4" in done.stdout and "DyadicPolicy" in done.stdout and "chunked_loss: true" in done.stdout
+    assert "fmt: auto" in done.stdout and "DyadicPolicy" in done.stdout and "chunked_loss: true" in done.stdout
 
 
 def test_every_recipe_file_opens_with_its_launch_command() -> None:

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import re
+import warnings
+from typing import Any, Callable
+
 import pytest
 
 from lcsb_lightning.policies import (
@@ -8,6 +12,7 @@ from lcsb_lightning.policies import (
     FullPolicy,
     GradNormPolicy,
     RandomPolicy,
+    SelectionPolicy,
     TopOnlyPolicy,
     available_policies,
     build_policy,
@@ -99,43 +104,110 @@ def test_grad_norm_prefers_high_norm_blocks_yet_respects_the_staleness_bound() -
     assert hot > 2 * cold
 
 
-@pytest.mark.parametrize(("saved", "resumed", "match"), [
-    (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(), "the checkpoint has levels=4, this policy has levels=3"),
-    (lambda: CyclicPolicy(layers_per_step=2, switch_every=2), lambda: CyclicPolicy(layers_per_step=2),
-     "the checkpoint has switch_every=2, this policy has switch_every=1"),
-    (lambda: CyclicPolicy(layers_per_step=2, descending=True), lambda: CyclicPolicy(layers_per_step=2),
-     "the checkpoint has descending=True, this policy has descending=False"),
-    (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(fraction=0.5), "the checkpoint has k=2, this policy has k=4"),
-    (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, seed=1),
-     "the checkpoint has seed=0, this policy has seed=1"),
-    (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, reshuffle=False),
-     "the checkpoint has reshuffle=True, this policy has reshuffle=False"),
-    (lambda: GradNormPolicy(layers_per_step=2, ema_decay=0.5), lambda: GradNormPolicy(layers_per_step=2),
-     "the checkpoint has ema_decay=0.5, this policy has ema_decay=0.9"),
-    (lambda: GradNormPolicy(layers_per_step=2), lambda: GradNormPolicy(layers_per_step=2, exploration=0.0),
-     "the checkpoint has exploration=0.1, this policy has exploration=0.0"),
-    (lambda: GradNormPolicy(layers_per_step=2, max_staleness=3), lambda: GradNormPolicy(layers_per_step=2),
-     "the checkpoint has max_staleness=3, this policy has max_staleness=8"),  # 2 * ceil(8 / 2)
-])
-def test_a_checkpoint_of_other_constructor_arguments_is_refused(saved, resumed, match: str) -> None:
-    policy, other = saved(), resumed()
-    policy.setup(8)
-    other.setup(8)
-    policy.select(5)
-    with pytest.raises(ValueError, match=match):
-        other.load_state_dict(policy.state_dict())
+#: The keys a policy's checkpoint held in 0.7 and before (no constructor arguments).
+KEYS_OF_0_7 = ("round", "selection", "num_blocks", "k")
 
 
-def test_a_checkpoint_that_predates_the_recorded_arguments_loads_with_a_warning() -> None:
-    policy = DyadicPolicy(levels=4)
-    policy.setup(8)
-    policy.select(5)
-    state = {key: policy.state_dict()[key] for key in ("round", "selection", "num_blocks", "k")}  # as 0.7 saved it
-    resumed = DyadicPolicy(levels=4)
-    resumed.setup(8)
-    with pytest.warns(UserWarning, match=r"does not record switch_every, levels .*this policy's switch_every=1, levels=4"):
+def _of_0_7(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if key in KEYS_OF_0_7 or key in ("generator", "cycle", "ema",
+                                                                                       "last_trained")}
+
+
+Resume = tuple[Callable[[], SelectionPolicy], Callable[[], SelectionPolicy], str | None, bool, str | None]
+
+
+# saved, resumed, the one warning (None: none), whether the continuation is the saved run's own, refused with (None: not)
+RESUMES: dict[str, Resume] = {
+    # the saved generator state decides what follows, not the seed that once made it
+    "random-seed": (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, seed=1),
+                    r"checkpoint saved with seed=0 continues under seed=1 \(what it saved stays valid", True, None),
+    "random-reshuffle": (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=2, reshuffle=False),
+                         r"saved with reshuffle=True continues under reshuffle=False", False, None),
+    "grad_norm-exploration": (lambda: GradNormPolicy(layers_per_step=2),
+                              lambda: GradNormPolicy(layers_per_step=2, exploration=0.0),
+                              r"saved with exploration=0.1 continues under exploration=0.0", False, None),
+    "grad_norm-ema_decay": (lambda: GradNormPolicy(layers_per_step=2, ema_decay=0.5),
+                            lambda: GradNormPolicy(layers_per_step=2),
+                            r"saved with ema_decay=0.5 continues under ema_decay=0.9", False, None),
+    "grad_norm-three-at-once": (lambda: GradNormPolicy(layers_per_step=2, ema_decay=0.5, max_staleness=3),
+                                lambda: GradNormPolicy(layers_per_step=2, exploration=0.0),
+                                r"saved with ema_decay=0.5, exploration=0.1, max_staleness=3 continues under "
+                                r"ema_decay=0.9, exploration=0.0, max_staleness=8", False, None),  # 2 * ceil(8 / 2)
+    "grad_norm-seed": (lambda: GradNormPolicy(layers_per_step=2), lambda: GradNormPolicy(layers_per_step=2, seed=1),
+                       None, True, None),  # it draws no random number
+    "cyclic-seed": (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(layers_per_step=2, seed=1),
+                    None, True, None),
+    "full-of-0.7": (lambda: FullPolicy(), lambda: FullPolicy(), None, True, None),
+    "top_only-of-0.7": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=2),
+                        None, True, None),
+    "full-switch_every": (lambda: FullPolicy(switch_every=4), lambda: FullPolicy(), None, True, None),
+    "top_only-k": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=3),
+                   r"saved with k=2 continues under k=3", False, None),
+    "dyadic-of-0.7": (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(levels=4),
+                      r"does not record switch_every, levels .*this policy's switch_every=1, levels=4", True, None),
+    # what the saved state means depends on these: refused, naming the argument that resumes it
+    "dyadic-levels": (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(), None, False,
+                      r"the checkpoint has levels=4, this policy has levels=3.*build the policy with `levels=4`"),
+    "dyadic-switch_every": (lambda: DyadicPolicy(switch_every=2), lambda: DyadicPolicy(), None, False,
+                            r"has switch_every=2, this policy has switch_every=1.*with `switch_every=2`"),
+    "cyclic-descending": (lambda: CyclicPolicy(layers_per_step=2, descending=True), lambda: CyclicPolicy(layers_per_step=2),
+                          None, False, r"has descending=True, this policy has descending=False.*`descending=True`"),
+    "cyclic-k": (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(fraction=0.5), None, False,
+                 r"has k=2, this policy has k=4.*`layers_per_step=2`"),
+    "random-k": (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=3), None, False,
+                 r"has k=2, this policy has k=3.*`layers_per_step=2`"),
+    "grad_norm-switch_every": (lambda: GradNormPolicy(layers_per_step=2, switch_every=3),
+                               lambda: GradNormPolicy(layers_per_step=2), None, False,
+                               r"has switch_every=3, this policy has switch_every=1.*`switch_every=3`"),
+    "cyclic-num_blocks": (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(layers_per_step=2), None, False,
+                          r"has num_blocks=8, this policy has num_blocks=6.*the model it was saved from \(8 blocks\)"),
+}
+
+
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_resume_is_refused_only_where_the_saved_state_means_something_else(case: str) -> None:
+    """Every saved run steps to 5 and resumes in a policy built otherwise: it continues with at most one warning (the
+    old and the new values), or it is refused, naming the argument that resumes it."""
+    saved_factory, resumed_factory, warning, same, refused = RESUMES[case]
+    saved, resumed = saved_factory(), resumed_factory()
+    saved.setup(8)
+    resumed.setup(6 if case.endswith("num_blocks") else 8)
+    for t in range(6):
+        saved.observe({i: float(i * t % 5 + 1) for i in saved.select(t)})
+    state = _of_0_7(saved.state_dict()) if case.endswith("of-0.7") else saved.state_dict()
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            resumed.load_state_dict(state)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         resumed.load_state_dict(state)
-    assert [resumed.select(t) for t in range(6, 12)] == [policy.select(t) for t in range(6, 12)]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == (warning is not None), messages
+    if warning is not None:
+        assert re.search(warning, messages[0]), messages[0]
+    continued = [resumed.select(t) for t in range(6, 20)]
+    assert all(len(s) == resumed.k for s in continued) or isinstance(resumed, DyadicPolicy)
+    if same:
+        assert continued == [saved.select(t) for t in range(6, 20)]
+
+
+def test_lcsb_callback_resumes_a_run_of_another_seed(residual_net) -> None:
+    """``LCSBCallback("random", seed=1)`` resuming a ``seed=0`` run (a recipe resumed under another global seed):
+    one warning, and the blocks the seed-0 run would have trained."""
+    from lcsb_lightning import LCSBCallback, LCSBController
+
+    def controller(seed: int) -> LCSBController:
+        return LCSBController(residual_net(num_blocks=6), LCSBCallback("random", layers_per_step=2, seed=seed).policy)
+
+    first, reference, resumed = controller(0), controller(0), controller(1)
+    for t in range(5):
+        first.begin_step(t)
+        reference.begin_step(t)
+    with pytest.warns(UserWarning, match="saved with seed=0 continues under seed=1") as record:
+        resumed.load_state_dict(first.state_dict())
+    assert len(record) == 1
+    assert [resumed.begin_step(t) for t in range(5, 15)] == [reference.begin_step(t) for t in range(5, 15)]
 
 
 def test_full_and_top_only() -> None:

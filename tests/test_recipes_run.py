@@ -249,7 +249,5 @@ def test_progressive_freezing_in_the_recipe_replays_padded_classification_exampl
     )
     assert summary["steps"] == 6
     assert _scalar_values(out, "freeze/frozen_blocks") == [1.0, 1.0]  # epochs 1 and 2
-    # epoch 1 stores; epoch 2 replays every row stored from a batch at least as wide as its own (a row
-    # stored narrower is computed again: its padded positions were never stored)
-    first, second = _scalar_values(out, "freeze/cache_hit")
-    assert first == 0.0 and 0.0 < second <= 1.0
+    # epoch 1 stores; epoch 2 replays every batch (the loss reads no padded position: a row replays at any width)
+    assert _scalar_values(out, "freeze/cache_hit") == [0.0, 1.0]

@@ -31,23 +31,11 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from lcsb_lightning.recipes.run_memory import read_status  # RssAnon and VmRSS in MB of 2**20 bytes
+
 #: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _MB = 2**20
-
-
-def read_status() -> dict[str, float]:
-    """``RssAnon`` and ``VmRSS`` of this process in MB (``/proc/self/status``; empty off Linux)."""
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key in ("RssAnon", "VmRSS"):
-                    out[key] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return out
 
 
 class PeakSampler:

@@ -22,6 +22,7 @@ from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
 _LAZY = {
     "QuantizedMeBP": "lcsb_lightning.mebp.plugin",
     "load_compressed": "lcsb_lightning.mebp.loading",
+    "load_float": "lcsb_lightning.mebp.loading",
 }
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MeBPConfig",
     "apply_mebp",
     "load_compressed",
+    "load_float",
     "chunked_lm_loss",
     "logit_transform",
     "mebp_state",

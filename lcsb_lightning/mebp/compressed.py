@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import Packed, dequantize, quantize, select_rows
+from lcsb_lightning.mebp._internal.formats import (
+    Packed, codes_per_byte, dequantize, quantize, select_rows, stored_format, weight_columns,
+)
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpointed, recomputing
 from lcsb_lightning.mebp._internal.storage import MappedWeights
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
@@ -108,6 +110,7 @@ class _CompressedWeight:
     group_size: int
     weight: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None
     decompress_count: dict[str, int]
     stats: MeBPStats | None
     workspace: DecompressionWorkspace | None
@@ -115,12 +118,13 @@ class _CompressedWeight:
     keep_recomputed_weight: bool
 
     def _store(self, packed: Packed, fmt: str, group_size: int) -> None:
-        """Keep the codes and scales as non-persistent buffers (rebuilt from the source weights)."""
+        """Keep the codes, scales (and minimums) as non-persistent buffers (rebuilt from the source weights)."""
         assert isinstance(self, nn.Module)
-        self.fmt = fmt
+        self.fmt = stored_format(fmt)
         self.group_size = group_size
         self.register_buffer("weight", packed.codes, persistent=False)
         self.register_buffer("scales", packed.scales, persistent=False)
+        self.register_buffer("mins", packed.mins, persistent=False)
         self.decompress_count = {"forward": 0, "backward": 0}
         self.stats = None
         self.workspace = None
@@ -128,7 +132,7 @@ class _CompressedWeight:
         self.keep_recomputed_weight = True
 
     def packed(self, rows: torch.Tensor | slice | None = None) -> Packed:
-        full = Packed(self.weight, self.scales)
+        full = Packed(self.weight, self.scales, self.mins)
         return full if rows is None else select_rows(full, rows)
 
     def timed(self, phase: str, device: torch.device) -> ContextManager[None]:
@@ -141,11 +145,13 @@ class _CompressedWeight:
         try:
             if self.workspace is None:
                 return dequantize(packed, self.fmt, self.group_size, dtype)
-            out_rows, half = packed.codes.shape
+            out_rows, width = packed.codes.shape
             device = packed.codes.device
-            out = self.workspace.borrow((out_rows, half * 2), dtype, device)
-            index_rows = max(1, min(out_rows, INDEX_SCRATCH_ELEMENTS // half))
-            index = self.workspace.borrow((index_rows, half), torch.int32, device)
+            out = self.workspace.borrow((out_rows, weight_columns(packed, self.fmt)), dtype, device)
+            if codes_per_byte(self.fmt) == 1:  # one byte a code: no table lookup, no scratch
+                return dequantize(packed, self.fmt, self.group_size, dtype, out=out)
+            index_rows = max(1, min(out_rows, INDEX_SCRATCH_ELEMENTS // width))
+            index = self.workspace.borrow((index_rows, width), torch.int32, device)
             try:
                 return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
             finally:
@@ -156,8 +162,8 @@ class _CompressedWeight:
     def release_pages(self) -> None:
         """With memory-mapped weights, drop this layer's compressed pages from the process."""
         if self.weight_store is not None:
-            self.weight_store.release(self.weight)
-            self.weight_store.release(self.scales)
+            for tensor in self.packed().tensors():
+                self.weight_store.release(tensor)
 
     def decompress(self, dtype: torch.dtype = torch.float32, phase: str = "forward") -> torch.Tensor:
         """The full float weight (counted and timed as a ``phase`` decompression); see :meth:`give_back`."""
@@ -246,8 +252,8 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
     ) -> None:
         super().__init__()
         self.dtype = dtype
-        self.num_embeddings, half = packed.codes.shape
-        self.embedding_dim = half * 2
+        self.num_embeddings = packed.codes.shape[0]
+        self.embedding_dim = weight_columns(packed, stored_format(fmt))
         self.padding_idx = padding_idx
         self._store(packed, fmt, group_size)
         if embed_scale is not None:  # Hugging Face's scaled word embeddings (Gemma 3, ...)

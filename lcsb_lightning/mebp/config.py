@@ -12,7 +12,7 @@ from lcsb_lightning.mebp._internal.storage import mmap_supported
 
 # The option types are Literals so that LightningCLI (jsonargparse) lists the choices and refuses another
 # value when it parses; a test pins Format to formats.FORMATS.
-Format = Literal["int4", "nf4", "fp4"]
+Format = Literal["auto", "int4", "int4_asym", "nf4", "fp4"]
 Offload = Literal["none", "mmap"]
 WeightStorage = Literal["auto", "mmap", "ram"]
 #: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
@@ -36,7 +36,9 @@ class MeBPConfig:
     config they override its fields (``dataclasses.replace``).
 
     Args:
-        fmt: ``"int4"`` (plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        fmt: ``"int4"`` (MeBP's) or ``"int4_asym"`` (a scale and a minimum per group; both plain torch),
+            ``"nf4"`` or ``"fp4"`` (bitsandbytes), or ``"auto"``: a GGUF file's own blocks kept as they
+            are where they map (:func:`~lcsb_lightning.mebp.load_compressed`), ``"int4_asym"`` elsewhere.
         group_size: Weights per scale; must divide every converted layer's input features (for
             ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096).
         checkpoint: Per-block non-reentrant gradient checkpointing.

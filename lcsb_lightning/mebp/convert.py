@@ -177,7 +177,7 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
     devices = {w.device for w in unique.values()}
     # One buffer for all codes and one for all scales (see allocate_packed), on the weights' device.
     shapes = [tuple(w.shape) for w in unique.values()]
-    slots = allocate_packed(shapes, group_size, devices.pop()) if len(devices) == 1 else None
+    slots = allocate_packed(shapes, group_size, devices.pop(), fmt) if len(devices) == 1 else None
     shared = {
         key: quantize(weight, fmt, group_size, out=slots[i] if slots is not None else None)
         for i, (key, weight) in enumerate(unique.items())
@@ -261,7 +261,7 @@ def map_compressed(compressed: dict[str, nn.Module], store: MappedWeights) -> No
         key = id(module.weight)
         if key not in mapped:
             mapped[key] = store.map(module.packed())  # type: ignore[operator]
-        module.weight, module.scales = mapped[key].codes, mapped[key].scales
+        module.weight, module.scales, module.mins = mapped[key].codes, mapped[key].scales, mapped[key].mins
 
 
 def finish_conversion(

@@ -14,7 +14,10 @@ the chunk plus one ``gguf`` dequantize call on at most ``sources.DEQUANTIZE_ELEM
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -23,13 +26,16 @@ from torch import nn
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
-from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into
+from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into, select_rows, stored_format
+from lcsb_lightning.mebp._internal.gguf_blocks import BLOCK
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, release_free_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from lcsb_lightning.mebp._internal.gguf_file import GGUFFile as GGUFReader
+
+log = logging.getLogger(__name__)
 
 #: Largest number of float weights quantized at once while loading.
 LOAD_CHUNK_ELEMENTS = 1 << 18
@@ -49,17 +55,60 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-def _packed(source: WeightSource, name: str, shape: torch.Size, fmt: str, group_size: int, slot: Packed | None) -> Packed:
+@dataclass(frozen=True)
+class _Target:
+    """How one weight is stored: its format, group size and scale dtype (None: the format's own)."""
+
+    fmt: str
+    group_size: int
+    scales_dtype: torch.dtype | None = None
+    native: bool = False  # taken from the source's own blocks as they are
+
+
+def _target_format(source: WeightSource, name: str, config: MeBPConfig) -> _Target:
+    """A GGUF tensor whose blocks map to a stored format keeps them with ``fmt="auto"``; else ``config``'s format."""
+    if config.fmt == "auto" and isinstance(source, GGUFSource):
+        native = source.native_format(name)
+        if native is not None:
+            return _Target(native, BLOCK, torch.float16, native=True)
+    return _Target(stored_format(config.fmt), config.group_size)
+
+
+def _packed(source: WeightSource, name: str, shape: torch.Size, target: _Target, slot: Packed | None) -> Packed:
     """The compressed tensor, written in place (into ``slot`` if given) one row chunk at a time."""
     rows, cols = shape
     if slot is None:
-        (slot,) = allocate_packed([(rows, cols)], group_size)
+        (slot,) = allocate_packed([(rows, cols)], target.group_size, "cpu", target.fmt, target.scales_dtype)
     step = max(1, LOAD_CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        part = slot.codes[start:stop], slot.scales[start:stop]
-        quantize_into(source.rows(name, shape, start, stop), fmt, group_size, *part)
+        part = select_rows(slot, slice(start, stop))
+        if target.native:
+            assert isinstance(source, GGUFSource)
+            source.packed_rows_into(name, shape, start, stop, part)
+        else:
+            quantize_into(source.rows(name, shape, start, stop), target.fmt, target.group_size, part)
     return slot
+
+
+def _allocate(shapes: dict[int, tuple[int, int]], targets: dict[int, _Target]) -> dict[int, Packed]:
+    """One buffer per stored format (see allocate_packed), a slot per weight."""
+    by_format: dict[_Target, list[int]] = defaultdict(list)
+    for key, target in targets.items():
+        by_format[target].append(key)
+    slots: dict[int, Packed] = {}
+    for target, keys in by_format.items():
+        packed = allocate_packed([shapes[k] for k in keys], target.group_size, "cpu", target.fmt, target.scales_dtype)
+        slots.update(zip(keys, packed))
+    return slots
+
+
+def _describe(targets: dict[int, _Target], source: WeightSource) -> str:
+    """E.g. ``210 x int4_asym/32 (GGUF blocks as they are), 1 x int8/32 (GGUF blocks as they are)``."""
+    counts = Counter(targets.values())
+    where = "GGUF blocks as they are" if isinstance(source, GGUFSource) else ""
+    parts = [f"{n} x {t.fmt}/{t.group_size} ({where if t.native else 'quantized from float'})" for t, n in counts.items()]
+    return ", ".join(parts)
 
 
 def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
@@ -67,10 +116,11 @@ def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: to
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
 
 
-def _resolve(source: Source, gguf_file: str | None) -> tuple[Any, str, str | None, GGUFReader | None]:
+def _resolve(source: Source, gguf_file: str | None, model_config: Any = None) -> tuple[Any, str, str | None, GGUFReader | None]:
     """``(config, kind, path, reader)``: kind is ``"random"``, ``"safetensors"`` or ``"gguf"``; reader is
-    the open ``gguf.GGUFReader`` of a GGUF file (its architecture checked before the config is parsed),
-    else ``None``."""
+    the open :class:`GGUFFile` of a GGUF file (its architecture checked before the config is parsed),
+    else ``None``. ``model_config`` (a ``PretrainedConfig``) spares parsing it from the file: transformers
+    reads a GGUF's whole metadata for it, its tokenizer included (seconds, and 150 MB for SmolLM2's)."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
@@ -87,10 +137,63 @@ def _resolve(source: Source, gguf_file: str | None) -> tuple[Any, str, str | Non
             raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
         reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
         folder, name = os.path.split(os.path.abspath(path))
-        return AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path, reader
+        return model_config or AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path, reader
     if not os.path.isdir(path):
         raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
-    return AutoConfig.from_pretrained(path), "safetensors", path, None
+    return model_config or AutoConfig.from_pretrained(path), "safetensors", path, None
+
+
+def _weight_source(model: nn.Module, model_config: Any, kind: str, path: str | None, reader: GGUFReader | None,
+                   seed: int) -> WeightSource:
+    if kind == "random":
+        return RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed)
+    if kind == "safetensors":
+        assert path is not None
+        names = {id(p): n for n, p in model.named_parameters()}
+        tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
+        return SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
+    return GGUFSource(reader, model)  # maps names, checks tensor types and shapes
+
+
+def _load_float_params(model: nn.Module, source: WeightSource, names: dict[int, str], dtype: torch.dtype) -> None:
+    """Every parameter still on the meta device, read from ``source`` (tied ones once)."""
+    loaded: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in loaded:
+                    loaded[id(param)] = _float_param(source, names[id(param)], param, dtype)
+                module._parameters[pname] = loaded[id(param)]
+
+
+def load_float(
+    source: Source,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    model_config: Any = None,
+) -> nn.Module:
+    """Load a causal LM in float, one tensor at a time, from the sources :func:`load_compressed` reads.
+
+    A GGUF file is dequantized tensor by tensor straight into the model's parameters (equal to
+    transformers' ``from_pretrained(..., gguf_file=...)``), with no float copy on disk and no second
+    copy in memory. Arguments as in :func:`load_compressed`. Returns the model in eval mode.
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                      num_attention_heads=4, vocab_size=128)
+        >>> load_float(config).model.embed_tokens.weight.dtype
+        torch.float32
+    """
+    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
+    model = _meta_model(model_config, dtype)
+    names = {id(p): n for n, p in model.named_parameters()}
+    _load_float_params(model, _weight_source(model, model_config, kind, path, reader, seed), names, dtype)
+    release_free_heap()
+    return model
 
 
 def load_compressed(
@@ -100,6 +203,7 @@ def load_compressed(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    model_config: Any = None,
     **options: Any,
 ) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
@@ -109,10 +213,15 @@ def load_compressed(
             ``gguf_file``), or a ``PretrainedConfig`` for a random init (memory and speed studies).
         config: The options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without one). With
             ``weights="mmap"`` each tensor goes to its file as soon as it is compressed, so the
-            compressed model never is resident as a whole, not even while loading.
+            compressed model never is resident as a whole, not even while loading. With
+            ``fmt="auto"`` a GGUF's Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 tensors keep their blocks as they are
+            (no float copy, no second quantization: dequantized bit for bit as ``gguf`` does); other
+            tensors are quantized to ``int4_asym``.
         gguf_file: File name of the GGUF inside the ``source`` folder.
         dtype: Dtype of the float parameters that stay uncompressed (norms, biases).
         seed: Seed of the random init.
+        model_config: The model's transformers config, where ``source`` is a file or folder (read from
+            it when None; a GGUF's costs transformers a parse of its whole metadata).
         **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields, as in :func:`~lcsb_lightning.mebp.apply_mebp`.
 
     Returns:
@@ -131,46 +240,35 @@ def load_compressed(
     config = build_config(config, options, "load_compressed")
     if config.map_large_allocations:  # before the loading's chunks: the heap must not hold them to serve later
         map_large_allocations()
-    model_config, kind, path, reader = _resolve(source, gguf_file)
+    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
     model = _meta_model(model_config, dtype)
     found = find_blocks(model)
     targets = find_targets(model, found, config)
-    fmt, group_size = config.fmt, config.group_size
     names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
-    weight_source: WeightSource
-    if kind == "random":
-        weight_source = RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed)
-    elif kind == "safetensors":
-        tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
-        weight_source = SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
-    else:
-        weight_source = GGUFSource(reader, model)  # maps names, checks tensor types and shapes
+    weight_source = _weight_source(model, model_config, kind, path, reader, seed)
 
     shared: dict[int, Packed] = {}
     store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, torch.device("cpu"), config.offload_dir) else None
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
-    # In RAM, all codes share one allocation (see allocate_packed); mapped, each goes to its file.
-    slots = dict(zip(unique, allocate_packed(list(unique.values()), group_size))) if store is None else {}
+    formats = {key: _target_format(weight_source, names[key], config) for key in unique}
+    log.info("load_compressed: %s", _describe(formats, weight_source))
+    # In RAM, all codes of a format share one allocation (see allocate_packed); mapped, each goes to its file.
+    slots = _allocate(unique, formats) if store is None else {}
     compressed: dict[str, nn.Module] = {}
     for target_name, module in targets.items():
         key = id(module.weight)
+        target = formats[key]
         if key not in shared:
-            shared[key] = _packed(weight_source, names[key], module.weight.shape, fmt, group_size, slots.get(key))
+            shared[key] = _packed(weight_source, names[key], module.weight.shape, target, slots.get(key))
             if store is not None:
                 shared[key] = store.map(shared[key])
         if isinstance(module, nn.Linear) and module.bias is not None:
             module.bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype)
-        new = compressed_twin(module, shared[key], fmt, group_size, dtype)
+        new = compressed_twin(module, shared[key], target.fmt, target.group_size, dtype)
         parent, _, child = target_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         compressed[target_name] = new
-    loaded: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                if id(param) not in loaded:
-                    loaded[id(param)] = _float_param(weight_source, names[id(param)], param, dtype)
-                module._parameters[pname] = loaded[id(param)]
-    del weight_source, reader, shared, loaded
+    _load_float_params(model, weight_source, names, dtype)
+    del weight_source, reader, shared
     release_free_heap()  # the float row chunks were freed; do not keep their pages resident
     return finish_conversion(model, find_blocks(model), compressed, config, store)

@@ -224,3 +224,65 @@ def chunked_lm_loss(
             total = total + _chunk_loss(h, y, lm_head, ignore_index, scale, softcap)
     count = (flat_labels != ignore_index).sum().clamp(min=1)
     return total / count
+
+
+#: Positions :func:`lm_head_predictions` streams the vocabulary for at once.
+PREDICTION_POSITIONS = 256
+
+
+@torch.no_grad()
+def lm_head_predictions(
+    hidden: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
+    full-vocabulary logits of all positions at once (evaluation metrics).
+
+    A frozen ``nn.Linear`` head (a ``CompressedLinear`` included) streams over vocabulary blocks with an
+    online log-sum-exp and running maximum, decompressing each block once; any other head runs on
+    slices of positions.
+
+    Args:
+        hidden: ``(n, hidden)`` final-norm hidden states.
+        lm_head: The output layer.
+        targets: ``(n,)`` next-token ids (``ignore_index``: an NLL of 0).
+        logit_scale, logit_softcap: The model's logit transform (:func:`logit_transform`).
+        ignore_index: Target id of the positions without a label.
+
+    Returns:
+        ``(nll, argmax)``: float32 and long tensors of shape ``(n,)``.
+    """
+    hidden = hidden.float()
+    n = hidden.shape[0]
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    if not _streamable(lm_head):
+        step = max(1, VOCAB_BLOCK_ELEMENTS // max(1, int(getattr(lm_head, "out_features", 0) or 1)))
+        nll, best = hidden.new_empty(n), torch.empty(n, dtype=torch.long, device=hidden.device)
+        for start in range(0, n, step):
+            logits, _ = _transform(lm_head(hidden[start : start + step]).float(), logit_scale, logit_softcap)
+            nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
+            best[start : start + step] = logits.argmax(1)
+        return nll * valid, best
+    if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 8 MiB each
+        parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
+                                     logit_scale, logit_softcap, ignore_index) for s in range(0, n, PREDICTION_POSITIONS)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    running_max = hidden.new_full((n,), float("-inf"))
+    running_sum, picked = hidden.new_zeros(n), hidden.new_zeros(n)
+    best = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    for rows, weight, bias in _weight_blocks(lm_head, hidden.dtype, "forward"):
+        logits, _ = _transform(F.linear(hidden, weight, bias).float(), logit_scale, logit_softcap)  # float under autocast too
+        block_max, block_arg = logits.max(dim=1)
+        new_max = torch.maximum(running_max, block_max)
+        best = torch.where(block_max > running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
+        running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+        running_max = new_max
+        inside = (safe >= rows.start) & (safe < rows.stop)
+        picked[inside] = logits[inside, safe[inside] - rows.start]
+    nll = running_max + torch.log(running_sum) - picked
+    return nll * valid, best

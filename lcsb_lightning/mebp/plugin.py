@@ -25,7 +25,8 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
         f"{name}.{buffer}"
         for name, sub in module.named_modules()
         if isinstance(sub, (CompressedLinear, CompressedEmbedding))
-        for buffer in ("weight", "scales")
+        for buffer in ("weight", "scales", "mins")
+        if getattr(sub, buffer) is not None  # the symmetric formats have no minimums
     ]
     ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]

@@ -6,8 +6,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, TypeVar
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
+from lcsb_lightning.rank_zero import rank_zero_warn
 from lcsb_lightning.validation import check_int
 
 Selection = tuple[int, ...]
@@ -41,9 +40,13 @@ class SelectionPolicy(ABC):
 
     #: Whether the policy needs exactly one of ``layers_per_step`` / ``fraction``.
     needs_size: bool = True
-    #: The constructor arguments, by attribute, that shape the policy's state (besides ``num_blocks`` and
-    #: ``k``): a checkpoint records them, and a policy built with other values refuses it.
-    state_args: tuple[str, ...] = ("switch_every",)
+    #: The attributes (constructor arguments, ``k``) that what the saved state means depends on, besides
+    #: ``num_blocks``: a checkpoint records them, and a policy built with other values refuses it, naming the
+    #: argument that resumes it.
+    state_args: tuple[str, ...] = ("k", "switch_every")
+    #: The constructor arguments a checkpoint records that nothing saved depends on: a policy built with other values
+    #: continues the checkpoint with its own, with one warning naming the old and the new values.
+    changeable_args: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -116,6 +119,8 @@ class SelectionPolicy(ABC):
         if self.num_blocks == 0:
             raise RuntimeError(f"{type(self).__name__}.setup(num_blocks) must be called before select().")
         target = step // self.switch_every
+        if self.cycle_steps == 1:  # the same blocks every round: no round to go through, nor one to go back to
+            self._round = target - 1
         if target < self._round:
             raise ValueError(
                 f"select() went back in time: step {step} (round {target}) after round {self._round}. "
@@ -136,30 +141,38 @@ class SelectionPolicy(ABC):
     # ---------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k,
-                **{name: getattr(self, name) for name in self.state_args}}
+                **{name: getattr(self, name) for name in (*self.state_args, *self.changeable_args)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state of :meth:`state_dict`.
 
+        A checkpoint saved with other :attr:`changeable_args` (a ``seed`` whose generator state was saved, GradNorm's
+        ``exploration``) continues with this policy's values, and so does one of 0.7 or older, which records no
+        arguments: either with one warning.
+
         Raises:
-            ValueError: the checkpoint was saved by a policy over another model, of another ``k`` or built with
-                other :attr:`state_args`, naming both values. A checkpoint of 0.7 or older records no
-                :attr:`state_args`: it loads, with a warning.
+            ValueError: the checkpoint was saved over another model or with other :attr:`state_args`, naming both
+                values and the argument that resumes it.
         """
-        ours = {name: getattr(self, name) for name in ("num_blocks", "k", *self.state_args)}
-        differ = [name for name in ours if name in state and state[name] != ours[name]]
-        if differ:
+        ours = {name: getattr(self, name) for name in ("num_blocks", *self.state_args, *self.changeable_args)}
+        refused = [name for name in ("num_blocks", *self.state_args) if name in state and state[name] != ours[name]]
+        if refused:
             raise ValueError(
-                f"{type(self).__name__}: the checkpoint has {', '.join(f'{n}={state[n]!r}' for n in differ)}, this "
-                f"policy has {', '.join(f'{n}={ours[n]!r}' for n in differ)}; build it with the checkpoint's "
-                "arguments to resume."
+                f"{type(self).__name__}: the checkpoint has {_values(state, refused)}, this policy has "
+                f"{_values(ours, refused)}, and what the checkpoint saved means something else under other values. "
+                f"To resume it, {_how_to_resume(state, refused)}."
             )
-        missing = [name for name in self.state_args if name not in state]
+        notes = []
+        changed = [name for name in self.changeable_args if name in state and state[name] != ours[name]]
+        if changed:
+            notes.append(f"the checkpoint saved with {_values(state, changed)} continues under "
+                         f"{_values(ours, changed)} (what it saved stays valid under them)")
+        missing = [name for name in (*self.state_args, *self.changeable_args) if name not in state]
         if missing:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint does not record {', '.join(missing)} (saved by 0.7 or older); "
-                f"resuming with this policy's {', '.join(f'{n}={ours[n]!r}' for n in missing)}."
-            )
+            notes.append(f"the checkpoint does not record {', '.join(missing)} (saved by 0.7 or older); resuming "
+                         f"with this policy's {_values(ours, missing)}")
+        if notes:
+            rank_zero_warn(f"{type(self).__name__}: {'; '.join(notes)}.")
         self._round = int(state["round"])
         self._selection = tuple(state["selection"])
 
@@ -181,6 +194,22 @@ def register_policy(name: str) -> Callable[[P], P]:
         return cls
 
     return decorator
+
+
+def _values(values: dict[str, Any], names: list[str]) -> str:
+    return ", ".join(f"{name}={values[name]!r}" for name in names)
+
+
+def _how_to_resume(state: dict[str, Any], names: list[str]) -> str:
+    """What resumes a refused checkpoint: the model it was saved from, the arguments it was saved with."""
+    steps = []
+    if "num_blocks" in names:
+        steps.append(f"load it into the model it was saved from ({state['num_blocks']} blocks)")
+    arguments = [f"`layers_per_step={state[name]!r}`" if name == "k" else f"`{name}={state[name]!r}`"
+                 for name in names if name != "num_blocks"]
+    if arguments:
+        steps.append(f"build the policy with {', '.join(arguments)}")
+    return " and ".join(steps)
 
 
 def _given_sizes(layers_per_step: int | None, fraction: float | None) -> dict[str, Any]:

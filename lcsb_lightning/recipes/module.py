@@ -154,23 +154,42 @@ class CausalLMModule(LightningModule):
         """Logits of the causal LM."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def _loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        if not self.hparams.chunked_loss:
-            out = self.model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False
-            )
-            return out.loss
-        from lcsb_lightning.mebp import chunked_lm_loss, logit_transform
+    def _hidden_and_head(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, nn.Module, dict[str, float | None]]:
+        """Final-norm hidden states (no logits), the LM head and the model's logit transform."""
+        from lcsb_lightning.mebp import logit_transform
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         backbone = getattr(base, base.base_model_prefix)  # e.g. LlamaModel: final-norm hidden states, no logits
         hidden = backbone(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
         ).last_hidden_state
-        head = base.get_output_embeddings()
         if self._logit_kwargs is None:
             self._logit_kwargs = logit_transform(base)
-        return chunked_lm_loss(hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size, **self._logit_kwargs)
+        return hidden, base.get_output_embeddings(), self._logit_kwargs
+
+    def _loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        if not self.hparams.chunked_loss:
+            out = self.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False
+            )
+            return out.loss
+        from lcsb_lightning.mebp import chunked_lm_loss
+
+        hidden, head, transform = self._hidden_and_head(batch)
+        return chunked_lm_loss(hidden, head, batch["labels"], chunk_size=self.hparams.chunk_size, **transform)
+
+    @torch.no_grad()
+    def _update_lm_metrics(self, batch: Mapping[str, Any]) -> None:
+        """The LM metrics of one batch from the final hidden states, streamed over the vocabulary
+        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of an evaluation batch of
+        4 x 256 tokens over a 49k vocabulary would be 200 MB, and the loss holds them twice over."""
+        from lcsb_lightning.mebp.loss import lm_head_predictions
+
+        hidden, head, transform = self._hidden_and_head(batch)
+        target = batch["labels"][:, 1:]
+        nll, best = lm_head_predictions(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head, target.reshape(-1),
+                                        transform["logit_scale"] or 1.0, transform["logit_softcap"], IGNORE)
+        self.val_lm.update_from_predictions(nll, best, target.reshape(-1))
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
@@ -187,10 +206,9 @@ class CausalLMModule(LightningModule):
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         """Accumulate the LM metrics and the task's own metric for one batch."""
-        logits = self(batch["input_ids"], batch["attention_mask"])
-        self.val_lm.update(logits, batch["labels"])
+        self._update_lm_metrics(batch)
         if self.kind == "classification":
-            self.val_acc.update(self._classify(batch), torch.tensor(batch["label"], device=logits.device))
+            self.val_acc.update(self._classify(batch), torch.tensor(batch["label"], device=self.device))
         elif self.kind == "qa" and isinstance(self.task, QAJsonlTask):
             budget = (self.task.num_generate if self.generate else 0) - self._generated
             if budget > 0:

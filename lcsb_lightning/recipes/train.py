@@ -7,6 +7,7 @@ the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logg
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_method, instantiate
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -35,8 +36,9 @@ from lcsb_lightning.recipes.checkpointing import (
 from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
-from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, peak_rss_mb, save_adapter, write_loss_curve
-from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
+from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
+from lcsb_lightning.recipes.progress import HeapTrim, LCSBProgressBar, StepTimer, final_table
+from lcsb_lightning.recipes.run_memory import RunMemory
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     checked against its context), the tokenized data and the ``CausalLMModule`` with its LoRA."""
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     task = build(cfg.task, _convert_="all")
-    bundle = build(cfg.model)
+    bundle = build(cfg.model, **model_loading_options(cfg))
     if int(cfg.seq_len) > bundle.max_positions:
         raise ValueError(
             f"seq_len={cfg.seq_len} is above the context length of {bundle.name} "
@@ -88,6 +90,21 @@ def prepare(cfg: DictConfig) -> Prepared:
     lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
     return Prepared(task, bundle, data, module)
+
+
+def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
+    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model factory reads weights
+    tensor by tensor (it takes ``mebp``: the packaged ``smollm2_135m`` and ``from_pretrained``), so the
+    model is built compressed from its file and the float model never exists; else ``{}`` (the plugin
+    compresses the loaded float model at fit start)."""
+    node = cfg.get("mebp")
+    if node is None or "_target_" not in node:
+        return {}
+    from lcsb_lightning.mebp import MeBPConfig
+
+    config = MeBPConfig.from_node(OmegaConf.to_container(node, resolve=True))
+    target = get_method(str(cfg.model._target_))
+    return {"mebp": config} if "mebp" in inspect.signature(target).parameters else {}
 
 
 def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
@@ -145,10 +162,11 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
     """
+    mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
-    callbacks += [SameWeightsOnEveryRank(), StepTimer(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(block_hooks=mebp is None), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
         callbacks.append(best)
@@ -166,7 +184,6 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
     plugins: list[Any] = [AtomicCheckpointIO()]
-    mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     if mebp is not None:
         plugins.append(mebp)
     extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin takes trainer.precision
@@ -248,9 +265,22 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
     checkpoint = resolve_checkpoint(cfg.resume) if cfg.get("resume") else None
     if checkpoint is not None:
         check_checkpoint(checkpoint)
-    prepared = prepare(cfg)
-    train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)
-    trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
+    import peft  # noqa: F401  (the libraries a run needs count as imports, not as the run's memory)
+    import transformers  # noqa: F401
+
+    memory = RunMemory()
+    try:
+        return _run(cfg, out, checkpoint, extra_callbacks, memory, start)
+    finally:
+        memory.close()
+
+
+def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: Sequence[Any], memory: RunMemory,
+         start: float) -> dict[str, Any]:
+    with memory.phase("load"):
+        prepared = prepare(cfg)
+        train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)
+        trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
     module = prepared.module
 
     initial: dict[str, float] = {}
@@ -260,21 +290,24 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         if trainer.is_global_zero:
             atomic_write_text(out / RUN_CONFIG_NAME, OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.get("eval_before_training", True):
-            initial = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
+            with memory.phase("initial_eval"):
+                initial = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
             if trainer.is_global_zero:
                 atomic_write_json(out / INITIAL_NAME, initial)
     fit_start = time.perf_counter()
     interrupted = False
     try:
-        trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None,
-                    weights_only=True)
+        with memory.phase("train"):
+            trainer.fit(module, train_loader, eval_loader, ckpt_path=str(checkpoint) if checkpoint is not None else None,
+                        weights_only=True)
     except SIGTERMException:
         interrupted = True  # stopped on SIGTERM/SIGINT: _stop_if_preempted says where to resume
     _stop_if_preempted(trainer, out, interrupted)
     fit_seconds = time.perf_counter() - fit_start
-    if cfg.trainer.get("enable_checkpointing", True):
-        trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST, weights_only=False)  # the end state, whatever the interval
-    final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
+    with memory.phase("final_eval"):
+        if cfg.trainer.get("enable_checkpointing", True):
+            trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST, weights_only=False)  # the end state, whatever the interval
+        final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
 
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
     guard = next((cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard)), None)
@@ -301,7 +334,6 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         "train_step_seconds": round(train_seconds, 3),
         "steps_per_second": round(steps / train_seconds, 4) if train_seconds > 0 else None,
         "wall_seconds": round(time.perf_counter() - start, 3),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
         "lora_parameters": sum(p.numel() for n, p in module.model.named_parameters() if "lora_" in n),
         "num_blocks": len(lcsb.selection_counts) if lcsb is not None else 0,
         "block_selection_counts": list(lcsb.selection_counts) if lcsb is not None else [],
@@ -312,11 +344,18 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Seque
         **_hydra_choices(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    curve = None
     if trainer.is_global_zero:
-        save_adapter(module.model, out / ADAPTER_NAME)
-        if best is not None:
-            best.save(module.model, out / BEST_ADAPTER_NAME)
+        with memory.phase("save"):
+            save_adapter(module.model, out / ADAPTER_NAME)
+            if best is not None:
+                best.save(module.model, out / BEST_ADAPTER_NAME)
+        with memory.phase("plots"):
+            curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
+    # Measured to here (the summary's own write is a few KB); the whole-process peak is the kernel's.
+    summary["memory"] = memory.summary()
+    summary["peak_rss_mb"] = summary["memory"]["peak_rss_mib"]
+    if trainer.is_global_zero:
         atomic_write_json(out / SUMMARY_NAME, summary)
-        curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
         log.info("\n%s", final_table(summary, curve))
     return summary

@@ -24,6 +24,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from lcsb_lightning.mebp._internal.formats import Packed
+from lcsb_lightning.mebp._internal.gguf_blocks import native_format, read_blocks_into
+from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
+
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TensorNameMap
 
@@ -108,11 +112,9 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Memory-map a GGUF file with ``gguf.GGUFReader`` and check its architecture (no tensor is read)."""
-    import gguf
-
-    reader = gguf.GGUFReader(os.fspath(path))
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Memory-map a GGUF file (:class:`GGUFFile`: no metadata array is built) and check its architecture."""
+    reader = GGUFFile(path)
     gguf_architecture(reader)
     return reader
 
@@ -168,7 +170,7 @@ class GGUFSource:
     weights per ``gguf.quants.dequantize`` call, into the one float32 chunk returned.
 
     Args:
-        gguf_file: Path of the file, or a ``gguf.GGUFReader`` already open on it.
+        gguf_file: Path of the file, or a :class:`GGUFFile` (or ``gguf.GGUFReader``) already open on it.
         model: The model to load (meta parameters are fine): its ``named_parameters()`` are mapped;
             parameters tied together share one GGUF tensor (tied embeddings have no ``output``).
 
@@ -177,10 +179,10 @@ class GGUFSource:
             shape, or a tensor type ``gguf`` cannot dequantize; all before any tensor is read.
     """
 
-    def __init__(self, gguf_file: str | os.PathLike[str] | GGUFReader, model: nn.Module) -> None:
+    def __init__(self, gguf_file: str | os.PathLike[str] | GGUFFile | GGUFReader, model: nn.Module) -> None:
         import gguf
 
-        self.reader = gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(os.fspath(gguf_file))
+        self.reader = gguf_file if isinstance(gguf_file, (GGUFFile, gguf.GGUFReader)) else GGUFFile(gguf_file)
         self.architecture = arch = gguf_architecture(self.reader)
         arch_id = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}[arch]
         name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
@@ -238,13 +240,28 @@ class GGUFSource:
         half, pos = np.divmod(within, size // 2)
         return head * size + 2 * pos + half
 
+    def _tensor(self, name: str) -> ReaderTensor:
+        if name not in self.tensors:
+            raise KeyError(f"Parameter `{name}` has no tensor in the GGUF file.")
+        return self.tensors[name]
+
+    def native_format(self, name: str) -> str | None:
+        """The stored format parameter ``name``'s GGUF blocks are taken into as they are (None: read as floats)."""
+        return native_format(self._tensor(name).tensor_type.name)
+
+    def packed_rows_into(self, name: str, shape: torch.Size, start: int, stop: int, out: Packed) -> None:
+        """Rows ``start:stop`` of parameter ``name``, copied block by block into the stored slot ``out``
+        (:meth:`native_format` must not be None); permuted Q/K rows are gathered as in :meth:`rows`."""
+        tensor = self._tensor(name)
+        index = self._file_rows(name, shape[0], start, stop)
+        raw = tensor.data[start:stop] if index is None else tensor.data[index]
+        read_blocks_into(raw, tensor.tensor_type.name, out)
+
     def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of parameter ``name`` (the whole tensor for 1-D shapes) as float32."""
         from gguf.quants import dequantize
 
-        if name not in self.tensors:
-            raise KeyError(f"Parameter `{name}` has no tensor in the GGUF file.")
-        tensor = self.tensors[name]
+        tensor = self._tensor(name)
         qtype, data = tensor.tensor_type, tensor.data
         if len(shape) == 1:  # a norm or a bias: small, dequantized whole
             index = self._file_rows(name, shape[0], 0, shape[0])

@@ -179,8 +179,9 @@ class MappedWeights:
         return mapped
 
     def map(self, packed: Packed) -> Packed:
-        """A copy of ``packed`` whose codes and scales live in memory-mapped files."""
-        return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales))
+        """A copy of ``packed`` whose codes, scales (and minimums) live in memory-mapped files."""
+        mins = self._map_tensor(packed.mins) if packed.mins is not None else None
+        return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales), mins)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or the tensor it is a view of) is one of this store's live mappings."""

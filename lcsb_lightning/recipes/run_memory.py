@@ -1,0 +1,110 @@
+"""A run's memory, measured whole: from loading to the saved adapter, phase by phase.
+
+A daemon thread reads ``/proc/self/status`` every ``period_s``: ``VmRSS`` (the whole process,
+memory-mapped weights' resident pages included) and ``RssAnon`` (anonymous memory: what the
+process allocated, as MeBP's and MeSP's authors measure it). The baseline is taken after the
+libraries are imported, so ``peak_anon_above_imports`` is what the run itself holds at its worst.
+The whole-process peak is also the kernel's own (``ru_maxrss``), which no sampling interval can miss.
+Off Linux only ``ru_maxrss`` is known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+from lcsb_lightning.recipes.outputs import peak_rss_mb
+
+_MiB = 1024
+
+
+def read_status() -> dict[str, float]:
+    """``RssAnon`` and ``VmRSS`` of this process in MiB (``/proc/self/status``; empty off Linux)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "VmRSS"):
+                    out[key] = int(value.split()[0]) / _MiB
+    except OSError:
+        pass
+    return out
+
+
+class RunMemory:
+    """Peak ``VmRSS`` and ``RssAnon`` of the whole run and of each named phase.
+
+    Example::
+
+        >>> memory = RunMemory(period_s=0.01)
+        >>> with memory.phase("load"):
+        ...     data = bytearray(32 << 20)
+        >>> memory.close()
+        >>> memory.summary()["phases"]["load"]["peak_anon_above_imports_mib"] >= 0
+        True
+    """
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        self.period_s = period_s
+        self.baseline = read_status()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.peak_rss = self.peak_anon = 0.0
+        self._phase: str | None = None
+        self.phases: dict[str, dict[str, float]] = {}
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="lcsb-run-memory", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = read_status()
+        rss, anon = now.get("VmRSS", 0.0), now.get("RssAnon", 0.0)
+        with self._lock:
+            self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
+            if self._phase is not None:
+                peaks = self.phases[self._phase]
+                peaks["rss"], peaks["anon"] = max(peaks["rss"], rss), max(peaks["anon"], anon)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute the samples taken inside the block to phase ``name`` (phases do not nest)."""
+        with self._lock:
+            self._phase = name
+            self.phases.setdefault(name, {"rss": 0.0, "anon": 0.0})
+        self._sample()
+        try:
+            yield
+        finally:
+            self._sample()
+            with self._lock:
+                self._phase = None
+
+    def close(self) -> None:
+        self._sample()
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        """The figures ``summary.json`` keeps, in MiB: whole-process peak, peak anonymous memory above the
+        imports, the state after the imports, and the same peaks per phase."""
+        base_anon = self.baseline.get("RssAnon", 0.0)
+        with self._lock:
+            phases = {
+                name: {"peak_rss_mib": round(p["rss"], 1), "peak_anon_above_imports_mib": round(p["anon"] - base_anon, 1)}
+                for name, p in self.phases.items()
+            }
+            sampled = self.peak_rss
+            anon = self.peak_anon
+        return {
+            "peak_rss_mib": round(max(peak_rss_mb(), sampled), 1),
+            "peak_anon_above_imports_mib": round(anon - base_anon, 1) if self.baseline else None,
+            "after_imports_rss_mib": round(self.baseline.get("VmRSS", 0.0), 1),
+            "after_imports_anon_mib": round(base_anon, 1),
+            "phases": phases,
+        }
