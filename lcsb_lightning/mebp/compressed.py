@@ -161,9 +161,10 @@ class _CompressedWeight:
 
     def release_pages(self) -> None:
         """With memory-mapped weights, drop this layer's compressed pages from the process."""
-        if self.weight_store is not None:
-            for tensor in self.packed().tensors():
-                self.weight_store.release(tensor)
+        if self.weight_store is not None:  # every decompression: no Packed built here
+            for tensor in (self.weight, self.scales, self.mins):
+                if tensor is not None:
+                    self.weight_store.release(tensor)
 
     def decompress(self, dtype: torch.dtype = torch.float32, phase: str = "forward") -> torch.Tensor:
         """The full float weight (counted and timed as a ``phase`` decompression); see :meth:`give_back`."""
