@@ -26,26 +26,28 @@ class LanguageModelMetrics(Metric):
         self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:  # type: ignore[override]
+    def update(  # type: ignore[override]
+        self, logits: torch.Tensor | None, labels: torch.Tensor, *, nll: torch.Tensor | None = None,
+        predicted: torch.Tensor | None = None,
+    ) -> None:
         """Accumulate one batch.
 
         Args:
-            logits: ``(batch, seq, vocab)`` logits (without them: :meth:`update_from_predictions`).
-            labels: ``(batch, seq)`` labels, not yet shifted.
+            logits: ``(batch, seq, vocab)`` logits, or None with ``nll`` and ``predicted``.
+            labels: ``(batch, seq)`` labels, not yet shifted; with ``nll``, the ``(n,)`` shifted targets.
+            nll, predicted: Per-position NLL and predicted token, ``(n,)`` each: what a streamed LM head
+                gives (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed.
         """
+        if nll is not None and predicted is not None:
+            self._accumulate(nll, predicted, labels)
+            return
+        assert logits is not None
         logits = logits[:, :-1].float()
         target = labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
         )
         self._accumulate(nll, logits.argmax(-1).reshape(-1), target.reshape(-1))
-
-    def update_from_predictions(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
-        """Accumulate per-position NLLs and predicted tokens against their (already shifted) targets, all ``(n,)``:
-        what a streamed LM head gives (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed."""
-        self._update_count += 1  # torchmetrics counts calls of ``update`` only
-        self._computed = None
-        self._accumulate(nll, predicted, target)
 
     def _accumulate(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
         mask = target != IGNORE
