@@ -43,6 +43,33 @@ def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[
         head.decompress_count[phase] += 1
 
 
+class _OnlineLogSumExp:
+    """A per-row log-sum-exp over vocabulary blocks seen one at a time (a running maximum and a running sum of
+    exponentials rescaled whenever the maximum grows), and each row's logit at its target id."""
+
+    def __init__(self, like: torch.Tensor, targets: torch.Tensor) -> None:
+        rows_n = like.shape[0]
+        self.running_max = like.new_full((rows_n,), float("-inf"))
+        self.running_sum = like.new_zeros(rows_n)
+        self.target_logit = like.new_zeros(rows_n)
+        self.targets = targets
+
+    def add(self, logits: torch.Tensor, rows: slice, block_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Take in the logits of vocabulary ``rows``; returns ``(rescale, exp_logits, inside)``: the factor the
+        sums accumulated so far were scaled by, ``exp(logits - new max)`` and the rows whose target is in the block."""
+        new_max = torch.maximum(self.running_max, logits.amax(dim=1) if block_max is None else block_max)
+        rescale = torch.exp(self.running_max - new_max)
+        exp_logits = torch.exp(logits - new_max[:, None])
+        self.running_sum = self.running_sum * rescale + exp_logits.sum(1)
+        self.running_max = new_max
+        inside = ((self.targets >= rows.start) & (self.targets < rows.stop)).nonzero().squeeze(1)
+        self.target_logit[inside] = logits[inside, self.targets[inside] - rows.start]
+        return rescale, exp_logits, inside
+
+    def logsumexp(self) -> torch.Tensor:
+        return self.running_max + torch.log(self.running_sum)
+
+
 class _StreamingLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks.
 
@@ -64,35 +91,25 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         hidden = hidden.float()
         need_grad = ctx.needs_input_grad[0]
-        rows_n = hidden.shape[0]
-        running_max = hidden.new_full((rows_n,), float("-inf"))
-        running_sum = hidden.new_zeros(rows_n)
-        target = hidden.new_zeros(rows_n)
+        online = _OnlineLogSumExp(hidden, labels)
         weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) dz_v W_v
         target_rows = torch.zeros_like(hidden) if need_grad else None  # dz_y W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
             logits, slope = _transform(F.linear(hidden, weight, bias), scale, softcap)
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            rescale = torch.exp(running_max - new_max)
-            exp_logits = torch.exp(logits - new_max[:, None])
-            running_sum = running_sum * rescale + exp_logits.sum(1)
-            running_max = new_max
-            inside = ((labels >= rows.start) & (labels < rows.stop)).nonzero().squeeze(1)
-            target[inside] = logits[inside, labels[inside] - rows.start]
+            rescale, exp_logits, inside = online.add(logits, rows)
             if weighted is not None and target_rows is not None:
+                picked = labels[inside] - rows.start
                 if slope is None:
                     weighted.mul_(rescale[:, None]).addmm_(exp_logits, weight)
-                    target_rows[inside] = weight[labels[inside] - rows.start]
+                    target_rows[inside] = weight[picked]
                 else:
                     weighted.mul_(rescale[:, None]).addmm_(exp_logits * slope, weight)
-                    picked = labels[inside] - rows.start
                     target_rows[inside] = weight[picked] * slope[inside, picked][:, None]
-        lse = running_max + torch.log(running_sum)
         valid = (labels != ignore_index).to(hidden.dtype)
         if weighted is not None and target_rows is not None:
-            grad_hidden = (weighted / running_sum[:, None] - target_rows) * (valid[:, None] * scale)
+            grad_hidden = (weighted / online.running_sum[:, None] - target_rows) * (valid[:, None] * scale)
             ctx.save_for_backward(grad_hidden)
-        return ((lse - target) * valid).sum()
+        return ((online.logsumexp() - online.target_logit) * valid).sum()
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -272,17 +289,11 @@ def lm_head_predictions(
         parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
                                      logit_scale, logit_softcap, ignore_index) for s in range(0, n, PREDICTION_POSITIONS)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    running_max = hidden.new_full((n,), float("-inf"))
-    running_sum, picked = hidden.new_zeros(n), hidden.new_zeros(n)
+    online = _OnlineLogSumExp(hidden, safe)
     best = torch.zeros(n, dtype=torch.long, device=hidden.device)
     for rows, weight, bias in _weight_blocks(lm_head, hidden.dtype, "forward"):
         logits, _ = _transform(F.linear(hidden, weight, bias).float(), logit_scale, logit_softcap)  # float under autocast too
         block_max, block_arg = logits.max(dim=1)
-        new_max = torch.maximum(running_max, block_max)
-        best = torch.where(block_max > running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
-        running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
-        running_max = new_max
-        inside = (safe >= rows.start) & (safe < rows.stop)
-        picked[inside] = logits[inside, safe[inside] - rows.start]
-    nll = running_max + torch.log(running_sum) - picked
-    return nll * valid, best
+        best = torch.where(block_max > online.running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
+        online.add(logits, rows, block_max)
+    return (online.logsumexp() - online.target_logit) * valid, best
