@@ -60,7 +60,7 @@ def test_the_peak_sampler_sees_an_allocation_that_lives_between_two_reads() -> N
 
     import torch
 
-    sampler = memory.PeakSampler(period_s=0.001)
+    sampler = memory.RunMemory(period_s=0.001)
     try:
         before, _ = sampler.mark()
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched

@@ -25,60 +25,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from lcsb_lightning.recipes.run_memory import read_status  # RssAnon and VmRSS in MB of 2**20 bytes
+from lcsb_lightning.recipes.run_memory import RunMemory, read_status  # RssAnon and VmRSS in MB of 2**20 bytes
 
 #: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _MB = 2**20
-
-
-class PeakSampler:
-    """Samples ``RssAnon`` and ``VmRSS`` every ``period_s`` in a daemon thread; peaks per window.
-
-    ``mark()`` closes the current window (returning its peaks) and opens the next one; the overall
-    peaks since ``reset()`` are :attr:`peak_anon` and :attr:`peak_rss`.
-    """
-
-    def __init__(self, period_s: float = 0.002) -> None:
-        self.period_s = period_s
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.reset()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.sample()
-
-    def sample(self) -> dict[str, float]:
-        now = read_status()
-        with self._lock:
-            anon, rss = now.get("RssAnon", 0.0), now.get("VmRSS", 0.0)
-            self.peak_anon, self.peak_rss = max(self.peak_anon, anon), max(self.peak_rss, rss)
-            self.window_anon = max(self.window_anon, anon)
-        return now
-
-    def reset(self) -> None:
-        with self._lock:
-            self.peak_anon = self.peak_rss = self.window_anon = 0.0
-
-    def mark(self) -> tuple[float, float]:
-        """``(peak RssAnon of the window just closed, RssAnon now)``, and a new window opened."""
-        now = self.sample().get("RssAnon", 0.0)
-        with self._lock:
-            peak, self.window_anon = self.window_anon, now
-        return peak, now
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _storages(tensors: Iterator[Any]) -> dict[int, int]:
@@ -128,7 +84,7 @@ class StepWindows:
     """Cuts each training step into windows at block boundaries and records, per window, the anonymous
     memory at its start, the live tensors by owner there and the peak inside it."""
 
-    def __init__(self, sampler: PeakSampler, census: Census, blocks: list[Any], final_norm: Any) -> None:
+    def __init__(self, sampler: RunMemory, census: Census, blocks: list[Any], final_norm: Any) -> None:
         from lcsb_lightning.mebp._internal.stats import recomputing
 
         self.sampler, self.census, self.windows = sampler, census, []
@@ -243,7 +199,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     import peft, transformers  # noqa: F401,E401  (imported before the baseline, as the training needs them)
 
-    sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
+    sampler = RunMemory(float(spec.get("sample_ms", 2)) / 1000)
     baseline = read_status()
     sampler.reset()
     torch.manual_seed(0)

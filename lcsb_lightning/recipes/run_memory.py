@@ -34,7 +34,11 @@ def read_status() -> dict[str, float]:
 
 
 class RunMemory:
-    """Peak ``VmRSS`` and ``RssAnon`` of the whole run and of each named phase.
+    """Peak ``VmRSS`` and ``RssAnon`` of the whole run, of each named phase and of consecutive windows.
+
+    Phases (:meth:`phase`) name the parts of a run for its summary; windows (:meth:`mark`) cut a
+    training step at block boundaries for the memory benchmark's breakdown; :meth:`reset` starts the
+    overall peaks again (the benchmark's training steps after loading).
 
     Example::
 
@@ -51,7 +55,7 @@ class RunMemory:
         self.baseline = read_status()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.peak_rss = self.peak_anon = 0.0
+        self.peak_rss = self.peak_anon = self.window_anon = 0.0
         self._phase: str | None = None
         self.phases: dict[str, dict[str, float]] = {}
         self._sample()
@@ -62,14 +66,28 @@ class RunMemory:
         while not self._stop.wait(self.period_s):
             self._sample()
 
-    def _sample(self) -> None:
+    def _sample(self) -> dict[str, float]:
         now = read_status()
         rss, anon = now.get("VmRSS", 0.0), now.get("RssAnon", 0.0)
         with self._lock:
             self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
+            self.window_anon = max(self.window_anon, anon)
             if self._phase is not None:
                 peaks = self.phases[self._phase]
                 peaks["rss"], peaks["anon"] = max(peaks["rss"], rss), max(peaks["anon"], anon)
+        return now
+
+    def reset(self) -> None:
+        """Start the overall peaks (and the window's) again from zero."""
+        with self._lock:
+            self.peak_anon = self.peak_rss = self.window_anon = 0.0
+
+    def mark(self) -> tuple[float, float]:
+        """``(peak RssAnon of the window just closed, RssAnon now)``, and a new window opened."""
+        now = self._sample().get("RssAnon", 0.0)
+        with self._lock:
+            peak, self.window_anon = self.window_anon, now
+        return peak, now
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
