@@ -168,6 +168,7 @@ class FinetuneConfig:
     best_adapter: Optional[str] = "val/loss"
     best_adapter_mode: str = "min"
     early_stopping_patience: Optional[int] = None
+    keep_activations: Optional[int] = None
     module: ModuleConfig = field(default_factory=lambda: OmegaConf.structured(ModuleConfig))
     trainer: TrainerConfig = field(default_factory=lambda: _open(TrainerConfig))
     lcsb: Optional[LCSBConfig] = None
@@ -199,6 +200,13 @@ class FinetuneConfig:
                     "best_adapter is null: allowed: a metric for best_adapter (val/loss), or early_stopping_patience=null"
                 )
             _at_least(problems, "early_stopping_patience", self.early_stopping_patience, 1)
+        if self.keep_activations is not None:
+            _at_least(problems, "keep_activations", self.keep_activations, 1)
+            if isinstance(self.mebp, Mapping) and "_target_" in self.mebp:
+                problems.append(
+                    f"keep_activations={self.keep_activations} with a mebp option: QuantizedMeBP recomputes every block "
+                    "already: allowed: keep_activations=null with mebp, or mebp=none"
+                )
         _fail(problems)
         if self.best_adapter is not None:
             try:

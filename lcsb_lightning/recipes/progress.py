@@ -94,43 +94,15 @@ def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
 
 
 class HeapTrim(Callback):
-    """Returns freed heap memory to the OS during a recipe run (glibc's ``malloc_trim``; a no-op elsewhere).
+    """Returns freed heap memory to the OS after every training batch and around every evaluation
+    (glibc's ``malloc_trim``; a no-op elsewhere).
 
     glibc keeps the pages a step frees for reuse, and with several threads allocating they pile up step
     after step: the float main job's anonymous memory grew by 300 MB a step in its first steps without
-    this. Before each block's forward the heap is trimmed once it grew by 16 MiB since the last trim
-    (``QuantizedMeBP(release_heap=True)`` does the same for a compressed model, so a run with the plugin
-    needs no hooks: ``block_hooks=False``), and after every training batch and around every evaluation it is trimmed
-    whole. Nothing else changes: no allocator setting, no tensor.
+    trims. Inside a step the blocks' own wrappers trim (``QuantizedMeBP(release_heap=True)`` for a
+    compressed model, :func:`~lcsb_lightning.recompute.recompute_lower_blocks` for a float one). Nothing
+    else changes: no allocator setting, no tensor.
     """
-
-    def __init__(self, block_hooks: bool = True) -> None:
-        self.block_hooks = block_hooks
-        self._handles: list[Any] = []
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lcsb_lightning.blocks import find_blocks
-        from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
-
-        if self._handles or not self.block_hooks:
-            return
-
-        def trim_before_block(*_: Any) -> None:
-            maybe_release_free_heap()
-
-        try:
-            blocks = find_blocks(pl_module)
-        except (TypeError, ValueError):  # no transformer blocks found: the batch-level trims still apply
-            blocks = []
-        self._handles = [block.register_forward_pre_hook(trim_before_block) for block in blocks]
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._remove()
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _trim(self, *_: Any) -> None:
         from lcsb_lightning.mebp._internal.heap import release_free_heap

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
+from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
 from lcsb_lightning.recipes.best_adapter import BestAdapter
 from lcsb_lightning.recipes.checkpointing import (
@@ -89,6 +90,8 @@ def prepare(cfg: DictConfig) -> Prepared:
     log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
     lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
+    if "_target_" not in (cfg.get("mebp") or {}):  # QuantizedMeBP wraps a compressed model's blocks itself
+        recompute_lower_blocks(module.model, keep_top=cfg.get("keep_activations"))
     return Prepared(task, bundle, data, module)
 
 
@@ -166,7 +169,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
-    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(block_hooks=mebp is None), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
         best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
         callbacks.append(best)
