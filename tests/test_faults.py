@@ -194,8 +194,6 @@ def test_tokenizer_without_pad_and_eos_tokens() -> None:
     ("best_adapter_mode=lowest", r"best_adapter: BestAdapter\(mode='lowest'\): allowed: 'min', 'max'"),
     ("early_stopping_patience=0", "early_stopping_patience=0: allowed: an integer >= 1"),
     ("keep_activations=0", "keep_activations=0: allowed: an integer >= 1"),
-    ("keep_activations=8 mebp=int4", "keep_activations=8 with a mebp option: QuantizedMeBP recomputes every block already: "
-     "allowed: keep_activations=null with mebp, or mebp=none"),
     ("early_stopping_patience=2 best_adapter=null", "early_stopping_patience=2 watches best_adapter's metric, and "
      "best_adapter is null"),
     # a policy node of the old shape (the callback itself, as a saved run config or a user config of 0.4 has it)

@@ -185,7 +185,7 @@ def check_whole_cycles(policies: Mapping[str, Any], steps_per_round: int) -> Non
 
 
 #: The config entries that decide the model, its LoRA and optimizer, its 4-bit conversion and the training data.
-MODEL_KEYS = ("seed", "data_dir", "seq_len", "batch_size", "model", "task", "lora", "module", "mebp")
+MODEL_KEYS = ("seed", "data_dir", "seq_len", "batch_size", "model", "task", "lora", "module", "mebp", "keep_activations")
 
 
 def model_key(cfg: DictConfig) -> str:

@@ -202,11 +202,6 @@ class FinetuneConfig:
             _at_least(problems, "early_stopping_patience", self.early_stopping_patience, 1)
         if self.keep_activations is not None:
             _at_least(problems, "keep_activations", self.keep_activations, 1)
-            if isinstance(self.mebp, Mapping) and "_target_" in self.mebp:
-                problems.append(
-                    f"keep_activations={self.keep_activations} with a mebp option: QuantizedMeBP recomputes every block "
-                    "already: allowed: keep_activations=null with mebp, or mebp=none"
-                )
         _fail(problems)
         if self.best_adapter is not None:
             try:
