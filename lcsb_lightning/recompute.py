@@ -10,7 +10,8 @@ blocks below the top ``keep_top`` in backward. The gradients are the same; the a
 those of ``keep_top`` blocks, plus one hidden state per block below.
 
 On the CPU each block also returns the heap that the block before it freed to the OS
-(``release_heap``; glibc only), as QuantizedMeBP does for a compressed model.
+(``release_heap``; glibc only), as QuantizedMeBP does for a compressed model; the lowest block starts
+each forward pass's count of trims (QuantizedMeBP starts it at each training batch).
 """
 
 from __future__ import annotations
@@ -70,5 +71,6 @@ def recompute_lower_blocks(
         )
     lower = len(found) - min(len(found), keep_top if keep_top is not None else len(found))
     for index, block in enumerate(found):
-        install_wrapper(block, BlockCheckpoint(block, checkpoint_blocks=index < lower, release_heap=release_heap))
+        wrapper = BlockCheckpoint(block, checkpoint_blocks=index < lower, release_heap=release_heap, starts_step=index == 0)
+        install_wrapper(block, wrapper)
     return found[:lower]

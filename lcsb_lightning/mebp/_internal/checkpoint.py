@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_wrapper, install_wrapper
-from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap
+from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap, start_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.prefix_cache import is_frozen
 from lcsb_lightning.selective import cuts
@@ -47,6 +47,9 @@ class BlockCheckpoint:
         stats: Receives the recompute timings (none recorded without it).
         release_heap: On CPU, return freed heap memory to the OS before and after the block runs with
             gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
+        starts_step: This block runs first in every forward pass (with or without gradients, also where
+            LCSB cuts it): each call starts a new count of the step's trims (``heap.start_step``), for a model
+            that no ``QuantizedMeBP`` starts the count for.
     """
 
     name = CHECKPOINT_WRAPPER
@@ -59,14 +62,18 @@ class BlockCheckpoint:
         saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
         stats: MeBPStats | None = None,
         release_heap: bool = True,
+        starts_step: bool = False,
     ) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
         self.stats = stats
         self.release_heap = release_heap
+        self.starts_step = starts_step
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.starts_step:
+            start_step()
         device = _first_device(args, kwargs)
         release = self.release_heap and torch.is_grad_enabled() and device.type == "cpu"
         if release:
