@@ -21,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 from lcsb_lightning.mebp.compressed import MAX_CHUNK_ELEMENTS, CompressedLinear
 from lcsb_lightning.validation import check_int
 
-#: Head weights decompressed (and logits computed per token) per vocabulary block: 16 MiB in float32.
-VOCAB_BLOCK_ELEMENTS = 1 << 22
+#: Head weights decompressed (and logits computed per token) per vocabulary block: 4 MiB in float32. 16 MiB blocks
+#: held 15-20 MiB more at the phone-budget run's peaks (SmolLM2, docs/mebp.md).
+VOCAB_BLOCK_ELEMENTS = 1 << 20
 
 
 def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
@@ -285,7 +286,7 @@ def lm_head_predictions(
             nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
             best[start : start + step] = logits.argmax(1)
         return nll * valid, best
-    if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 8 MiB each
+    if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 2 MiB each
         parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
                                      logit_scale, logit_softcap, ignore_index) for s in range(0, n, PREDICTION_POSITIONS)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
