@@ -7,6 +7,7 @@ this file's measuring module is run there)::
 
     python benchmarks/memory_side_by_side.py --rounds 2 "0.7.0 defaults={}@/tmp/v070" "defaults={}" 'lean={"offload": "mmap"}'
 
+Every arm trains with ``--optimizer`` (``adamw``, the default, or ``sgd``: MeSP's, without momentum).
 It prints one line per measurement and a markdown table of the medians at the end, with the load average.
 """
 
@@ -52,9 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer", choices=memory.OPTIMIZERS, default="adamw",
+                        help="every arm's optimizer (sgd: without momentum, as MeSP trains)")
     args = parser.parse_args(argv)
     model_config = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{args.shape}.yaml").config, resolve=True)
-    print(f"load average before: {os.getloadavg()}", flush=True)
+    print(f"optimizer: {args.optimizer}; load average before: {os.getloadavg()}", flush=True)
     figures: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in args.arms}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
                 if checkout != str(ROOT):  # measure the other checkout's library with this measuring module
                     shutil.copy(memory.__file__, Path(checkout) / "lcsb_lightning" / "bench" / "memory.py")
                 spec = {"arm": "mebp", "model_config": model_config, "options": {"group_size": 64, **options},
-                        "seq_len": args.seq_len, "rank": 8, "warmup": args.warmup, "steps": args.steps}
+                        "seq_len": args.seq_len, "rank": 8, "warmup": args.warmup, "steps": args.steps,
+                        "optimizer": args.optimizer}
                 os.environ["PYTHONPATH"] = checkout
                 os.chdir(checkout)  # `python -m` puts the working directory first on sys.path
                 result = memory.measure(spec, Path(tmp) / f"{round_index}_{len(figures[label])}_{abs(hash(label))}.json")

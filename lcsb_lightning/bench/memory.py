@@ -3,7 +3,8 @@
 Each configuration runs in a fresh process (:func:`measure`): a random-init shape built compressed by
 ``load_compressed``, peft LoRA on the seven projections, batch 1, a Lightning ``Trainer`` with
 ``QuantizedMeBP`` and ``chunked_lm_loss`` (``qlora``: bitsandbytes nf4 through ``from_pretrained``
-and Hugging Face's gradient checkpointing, the usual recipe). A thread samples ``/proc/self/status``
+and Hugging Face's gradient checkpointing, the usual recipe), the spec's ``optimizer`` (:data:`OPTIMIZERS`:
+AdamW by default, or SGD without momentum as MeSP trains; lr 1e-4 either way). A thread samples ``/proc/self/status``
 every ``sample_ms`` so that peaks inside a step count. Reported: the peak ``RssAnon`` above the state
 after imports while loading and while training (the anchors' metric: mmapped weights, clean
 file-backed pages, are not counted), the peak RSS above imports, the whole-process peak RSS and s/step.
@@ -35,6 +36,17 @@ from lcsb_lightning.recipes.run_memory import RunMemory, read_status  # RssAnon 
 #: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _MB = 2**20
+#: The spec's ``optimizer``: ``adamw`` (the default; two moments per LoRA weight) or ``sgd`` (MeSP's: no
+#: momentum, no state).
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def check_optimizer(value: Any, field: str = "optimizer") -> str:
+    """``value`` if it is one of :data:`OPTIMIZERS`; otherwise a ``ValueError`` naming ``field``, the value and
+    the allowed values."""
+    if not isinstance(value, str) or value not in OPTIMIZERS:
+        raise ValueError(f"{field} must be one of {list(OPTIMIZERS)}, got {value!r}")
+    return value
 
 
 def _storages(tensors: Iterator[Any]) -> dict[int, int]:
@@ -152,7 +164,12 @@ def save_random_init(model_config: Mapping[str, Any], folder: Path) -> None:
 
 
 def measure(spec: Mapping[str, Any], out_json: Path, timeout: float | None = None) -> dict[str, Any]:
-    """Run one configuration in a fresh interpreter (``python -m lcsb_lightning.bench.memory``); its figures."""
+    """Run one configuration in a fresh interpreter (``python -m lcsb_lightning.bench.memory``); its figures.
+
+    Raises:
+        ValueError: the spec's ``optimizer`` is not one of :data:`OPTIMIZERS` (before anything is written or run).
+    """
+    check_optimizer(spec.get("optimizer", "adamw"))
     out_json.parent.mkdir(parents=True, exist_ok=True)
     spec_path = out_json.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(dict(spec)))
@@ -190,6 +207,7 @@ def _load(spec: Mapping[str, Any]) -> tuple[Any, list[Any]]:
 
 
 def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
+    optimizer = check_optimizer(spec.get("optimizer", "adamw"))  # before any work
     import torch  # the imports the baseline is read after
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -223,7 +241,10 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
             return chunked_lm_loss(hidden, causal_lm.get_output_embeddings(), ids, chunk_size=seq)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+            trainable = [p for p in self.parameters() if p.requires_grad]
+            if optimizer == "sgd":  # MeSP's: no momentum, so no state
+                return torch.optim.SGD(trainable, lr=1e-4)
+            return torch.optim.AdamW(trainable, lr=1e-4)
 
     module = Module()
     blocks = find_blocks(model)
@@ -268,7 +289,7 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
     peak_anon, peak_rss = steps.peaks
     anon0, rss0 = baseline.get("RssAnon", 0.0), baseline.get("VmRSS", 0.0)
     return {
-        "arm": arm, "options": dict(spec.get("options") or {}), "seq_len": seq,
+        "arm": arm, "options": dict(spec.get("options") or {}), "optimizer": optimizer, "seq_len": seq,
         "peak_anon_train_mb": round(peak_anon - anon0, 1), "peak_anon_load_mb": round(load_peak_anon - anon0, 1),
         "peak_rss_above_import_mb": round(max(peak_rss, load_peak_rss) - rss0, 1),
         "peak_rss_mb": round(max(peak_rss, load_peak_rss), 1), "rss_after_import_mb": round(rss0, 1),

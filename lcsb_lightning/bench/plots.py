@@ -104,13 +104,19 @@ def phase_bars(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
 
 
 def memory_bars(memory: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Peak anonymous memory above imports per shape (and sequence length) and config (memory study)."""
+    """Peak anonymous memory above imports per shape (and sequence length) and config (memory study); a config
+    trained with another optimizer than AdamW is its own series (``lean sgd``)."""
+
+    def series(row: Mapping[str, Any]) -> str:
+        optimizer = row.get("optimizer", "adamw")
+        return row["config"] if optimizer == "adamw" else f"{row['config']} {optimizer}"
+
     fig, ax = plt.subplots(figsize=(6, 3.6))
     shapes = list(dict.fromkeys(f"{r['shape']} {r['seq_len']}" for r in memory))
-    configs = list(dict.fromkeys(r["config"] for r in memory))
+    configs = list(dict.fromkeys(series(r) for r in memory))
     width = 0.8 / max(1, len(configs))
     for i, config in enumerate(configs):
-        by_shape = {f"{r['shape']} {r['seq_len']}": r for r in memory if r["config"] == config}
+        by_shape = {f"{r['shape']} {r['seq_len']}": r for r in memory if series(r) == config}
         ax.bar([j + i * width for j in range(len(shapes))],
                [by_shape.get(s, {}).get("peak_anon_train_mb") or 0 for s in shapes], width, label=config)
     ax.set_xticks([j + width * (len(configs) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)

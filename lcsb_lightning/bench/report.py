@@ -146,7 +146,7 @@ def memory_rows(results: Sequence[Mapping[str, Any]], anchors: Mapping[str, Any]
     keys = ("peak_anon_train_mb", "peak_anon_load_mb", "peak_rss_above_import_mb", "peak_rss_mb", "step_s", "breakdown")
     rows = []
     for r in results:
-        labels = dict(r["labels"])
+        labels = {**dict(r["labels"]), "optimizer": r["labels"].get("optimizer", "adamw")}  # AdamW before the field
         beside = {f"{name}_mb": (figures.get(labels["shape"]) or {}).get(labels["seq_len"])
                   for name, figures in (anchors or {}).items()}
         rows.append({**labels, **{k: r.get(k) for k in keys}, **beside})
@@ -292,15 +292,15 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
         out += ["## Memory (the anchors' metric; one fresh process per arm)", "",
                 "Peak anonymous memory (RssAnon) inside the step and while loading, above the state after imports; "
                 "peak RSS above imports and whole-process; the anchors' figures beside.", "",
-                table(["shape", "seq", "config", "train anon (MB)", *[a[:-3] + " (MB)" for a in anchors], "load anon (MB)",
-                       "RSS above imports (MB)", "whole RSS (MB)", "s/step"],
-                      [[r["shape"], str(r["seq_len"]), r["config"], _f(r["peak_anon_train_mb"], ".0f"),
+                table(["shape", "seq", "config", "optimizer", "train anon (MB)", *[a[:-3] + " (MB)" for a in anchors],
+                       "load anon (MB)", "RSS above imports (MB)", "whole RSS (MB)", "s/step"],
+                      [[r["shape"], str(r["seq_len"]), r["config"], r["optimizer"], _f(r["peak_anon_train_mb"], ".0f"),
                         *[_f(r.get(a), ".1f") for a in anchors], _f(r["peak_anon_load_mb"], ".0f"),
                         _f(r["peak_rss_above_import_mb"], ".0f"), _f(r["peak_rss_mb"], ".0f"), _f(r["step_s"], ".2f")]
                        for r in memory]), "",
                 "Breakdown of each training peak by owner (MB; the window holding the peak):", "",
-                table(["shape", "seq", "config", "window", *memory[0]["breakdown"]["owners_mb"], "accounted"],
-                      [[r["shape"], str(r["seq_len"]), r["config"], r["breakdown"]["window"],
+                table(["shape", "seq", "config", "optimizer", "window", *memory[0]["breakdown"]["owners_mb"], "accounted"],
+                      [[r["shape"], str(r["seq_len"]), r["config"], r["optimizer"], r["breakdown"]["window"],
                         *[_f(v, ".1f") for v in r["breakdown"]["owners_mb"].values()], _f(r["breakdown"].get("accounted"), ".0%")]
                        for r in memory]), ""]
     grid = tables.get("stability") or []

@@ -232,6 +232,8 @@ def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: 
         spec = {"arm": "qlora" if options == "qlora" else "mebp", "model_config": model_config,
                 "options": {} if options == "qlora" else {"group_size": 64, **dict(options)},
                 "seq_len": arm.labels["seq_len"], "rank": int(m["rank"]), "warmup": int(m["warmup"]), "steps": int(m["steps"])}
+        if arm.labels["optimizer"] != "adamw":  # AdamW, the study's default, keeps the settings (and results) it had
+            spec["optimizer"] = arm.labels["optimizer"]
         expected = settings_hash(spec)
         if load_result(root, arm, expected) is not None:
             log.info("memory %s: done with these settings, skipped", arm.name)

@@ -148,13 +148,30 @@ def stability_arms(s: Mapping[str, Any]) -> list[Arm]:
 
 def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
     """Expand ``benchmark.memory``: each shape x its sequence lengths x config, then each ablation
-    (one mechanism undone) at ``ablation_at`` (``[shape, seq_len]``)."""
+    (one mechanism undone) at ``ablation_at`` (``[shape, seq_len]``), each under every one of ``optimizers``
+    (default ``[adamw]``). An AdamW arm keeps the name it had before the study had optimizers; another's
+    name ends with the optimizer (``qwen2.5_0.5b__256__lean__sgd``).
+
+    Raises:
+        ValueError: ``optimizers`` is not a non-empty list of
+            :data:`~lcsb_lightning.bench.memory.OPTIMIZERS`, or names one twice.
+    """
+    from lcsb_lightning.bench.memory import OPTIMIZERS, check_optimizer
+
+    optimizers = m.get("optimizers", ["adamw"])
+    if isinstance(optimizers, (str, bytes)) or not isinstance(optimizers, Sequence) or not optimizers:
+        raise ValueError(f"benchmark.memory.optimizers must be a non-empty list of {list(OPTIMIZERS)}, got {optimizers!r}")
+    for index, name in enumerate(optimizers):
+        check_optimizer(name, "benchmark.memory.optimizers")
+        if name in list(optimizers)[:index]:
+            raise ValueError(f"benchmark.memory.optimizers names {name!r} twice: {list(optimizers)}")
     rows = [(shape, int(seq), name) for shape, seqs in m["rows"].items() for seq in seqs for name in m["configs"]]
     if m.get("ablations"):
         shape, seq = m["ablation_at"]
         rows += [(shape, int(seq), name) for name in m["ablations"]]
-    return [Arm("memory", slug(shape, seq, name), (), {"shape": shape, "seq_len": seq, "config": name})
-            for shape, seq, name in rows]
+    return [Arm("memory", slug(shape, seq, name, *([] if optimizer == "adamw" else [optimizer])), (),
+                {"shape": shape, "seq_len": seq, "config": name, "optimizer": optimizer})
+            for shape, seq, name in rows for optimizer in optimizers]
 
 
 def ddp_speed_arms(d: Mapping[str, Any]) -> list[Arm]:
