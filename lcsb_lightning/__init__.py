@@ -28,6 +28,7 @@ _LAZY = {
     "MeBPConfig": "lcsb_lightning.mebp",
     "chunked_lm_loss": "lcsb_lightning.mebp",
     "load_smollm2": "lcsb_lightning.recipes.models",
+    "recompute_lower_blocks": "lcsb_lightning.recompute",
 }
 
 __all__ = ["find_blocks", "map_trainable_params", "SelectiveBackprop", "is_skipped", *_LAZY]
