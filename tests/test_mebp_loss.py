@@ -135,3 +135,18 @@ def test_lm_head_predictions_equal_the_full_logits(monkeypatch: pytest.MonkeyPat
     expected = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
     torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(best, logits.argmax(1)) and float(nll[3]) == 0.0
+
+
+def test_streamed_loss_under_bf16_autocast_is_the_float_loss() -> None:
+    # the head's logits come out of autocast in bf16: the online log-sum-exp keeps float32 (found by
+    # test_bf16_mixed_int4_run_on_cpu once the recipes streamed their training loss by default)
+    torch.manual_seed(0)
+    head = nn.Linear(16, 40).requires_grad_(False)
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 6))
+    expected = chunked_lm_loss(hidden, head, labels, chunk_size=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_lm_loss(hidden, head, labels, chunk_size=4)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad is not None
+    assert abs(float(loss) - float(expected)) < 0.05

@@ -96,7 +96,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
         weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) dz_v W_v
         target_rows = torch.zeros_like(hidden) if need_grad else None  # dz_y W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
-            logits, slope = _transform(F.linear(hidden, weight, bias), scale, softcap)
+            logits, slope = _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
             rescale, exp_logits, inside = online.add(logits, rows)
             if weighted is not None and target_rows is not None:
                 picked = labels[inside] - rows.start
