@@ -151,7 +151,8 @@ def _intercepts(result: dict) -> list[float]:
 def test_a_smoke_run_on_the_tiny_model_writes_the_table_projection_and_plot(tmp_path: Path) -> None:
     bench = {"name": "cost", "studies": ["cost_model"], "cost_model": {
         "shapes": ["tiny"], "pipelines": ["none", "int4"], "depths": [0.25, 0.5], "task": "pydoc", "rounds": 2,
-        "steps_per_round": 1, "common": ["guard=none", "seq_len=32", "task.max_train_examples=16"],
+        "steps_per_round": 1, "common": ["guard=none", "seq_len=32", "task.max_train_examples=16",
+                                          "keep_activations=null", "module.chunked_loss=false"],  # as cost_model.yaml
         "projection": {"targets": [1.0, 0.8], "policies": {"dyadic_l3": {"depth": 0.5, "steps_ratio": [1.25]}}}}}
     with finetune_composer() as compose_ft:
         tables = run_benchmark(bench, tmp_path, compose_ft, command="test")
