@@ -109,11 +109,6 @@ class HeapTrim(Callback):
 
         release_free_heap()
 
-    def on_train_batch_start(self, *_: Any) -> None:
-        from lcsb_lightning.mebp._internal.heap import start_step
-
-        start_step()  # the blocks' trims of this step (a frozen-prefix replay may skip the lowest block's forward)
-
     on_train_batch_end = _trim
     on_validation_start = _trim
     on_validation_end = _trim
