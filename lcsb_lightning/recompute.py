@@ -69,7 +69,7 @@ def recompute_lower_blocks(
             "the model's blocks already carry a per-block checkpoint (recompute_lower_blocks, or QuantizedMeBP's, "
             "which recomputes every block): apply recompute_lower_blocks once, and only to a model QuantizedMeBP does not convert."
         )
-    lower = len(found) - min(len(found), keep_top if keep_top is not None else len(found))
+    lower = max(0, len(found) - keep_top) if keep_top is not None else 0
     for index, block in enumerate(found):
         wrapper = BlockCheckpoint(block, checkpoint_blocks=index < lower, release_heap=release_heap, starts_step=index == 0)
         install_wrapper(block, wrapper)
