@@ -90,9 +90,15 @@ def prepare(cfg: DictConfig) -> Prepared:
     log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
     lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
-    if "_target_" not in (cfg.get("mebp") or {}):  # QuantizedMeBP wraps a compressed model's blocks itself
+    if not uses_mebp(cfg):  # QuantizedMeBP wraps a compressed model's blocks itself
         recompute_lower_blocks(module.model, keep_top=cfg.get("keep_activations"))
     return Prepared(task, bundle, data, module)
+
+
+def uses_mebp(cfg: DictConfig) -> bool:
+    """Whether the run compresses its model (a ``mebp`` option other than ``none``)."""
+    node = cfg.get("mebp")
+    return node is not None and "_target_" in node
 
 
 def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
@@ -100,12 +106,11 @@ def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
     tensor by tensor (it takes ``mebp``: the packaged ``smollm2_135m`` and ``from_pretrained``), so the
     model is built compressed from its file and the float model never exists; else ``{}`` (the plugin
     compresses the loaded float model at fit start)."""
-    node = cfg.get("mebp")
-    if node is None or "_target_" not in node:
+    if not uses_mebp(cfg):
         return {}
     from lcsb_lightning.mebp import MeBPConfig
 
-    config = MeBPConfig.from_node(OmegaConf.to_container(node, resolve=True))
+    config = MeBPConfig.from_node(OmegaConf.to_container(cfg.mebp, resolve=True))
     target = get_method(str(cfg.model._target_))
     return {"mebp": config} if "mebp" in inspect.signature(target).parameters else {}
 
@@ -141,8 +146,7 @@ def mebp_precision(cfg: DictConfig) -> str | None:
     Raises:
         ValueError: a precision the plugin does not run with.
     """
-    node = cfg.get("mebp")
-    if node is None or "_target_" not in node:
+    if not uses_mebp(cfg):
         return None
     from lcsb_lightning.mebp.plugin import PRECISIONS
 
