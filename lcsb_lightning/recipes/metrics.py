@@ -41,7 +41,10 @@ class LanguageModelMetrics(Metric):
         if nll is not None and predicted is not None:
             self._accumulate(nll, predicted, labels)
             return
-        assert logits is not None
+        if logits is None:
+            raise ValueError("LanguageModelMetrics.update needs `logits`, or both `nll` and `predicted` (a streamed "
+                             f"head's); got nll={'a tensor' if nll is not None else None}, "
+                             f"predicted={'a tensor' if predicted is not None else None}.")
         logits = logits[:, :-1].float()
         target = labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(
