@@ -94,6 +94,13 @@ class LCSBController:
         if step == self.selected_at_step:
             return None
         selection = self.policy.select(step)
+        frozen = self._frozen_prefix()
+        if self.backward != "all_reached" and frozen:
+            # The policy's blocks spread over the ones that train (ProgressiveFreezing froze the lowest): a
+            # frozen block runs without a graph, so selecting only frozen ones would train nothing (identity:
+            # no graph at all). all_reached needs no mapping: its backward reaches the blocks above anyway.
+            trained = self.num_blocks - frozen
+            selection = tuple(dict.fromkeys(frozen + i * trained // self.num_blocks for i in selection))
         if self.backward == "all_reached" and selection:
             # The exact backward runs from the top down to the lowest selected block anyway; every block
             # it passes gets its exact gradient almost for free (LoRA weight gradients are rank-r).
@@ -104,6 +111,13 @@ class LCSBController:
             self.selection_counts[i] += 1
         self.selection, self.selected_at_step, self._unobserved = selection, step, None
         return selection
+
+    def _frozen_prefix(self) -> int:
+        """How many of the lowest blocks have trainable parameters that all have ``requires_grad=False``."""
+        for index, params in enumerate(self.block_params.params_per_block):
+            if not params or any(p.requires_grad for p in params):
+                return index
+        return 0  # every block frozen: nothing to map onto (ProgressiveFreezing refuses such a schedule)
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Read the selected blocks' gradient norms (once per step; returned, else ``None``), then give the

@@ -271,6 +271,21 @@ def test_a_fit_with_the_cache_trains_exactly_as_without_it(lcsb: str | None) -> 
         assert torch.equal(snaps[f"0:{name}"], snaps[f"2:{name}"]) == frozen, name
 
 
+@pytest.mark.parametrize("backward", ["identity", "selected_only"])
+def test_a_selection_of_frozen_blocks_moves_onto_the_blocks_that_train(backward: str) -> None:
+    """The cyclic policy would select a frozen block in 2 steps of 4 (blocks 0 and 1 of 4, frozen from epoch 1):
+    the identity path would then have no graph at all (the backward failed), ``selected_only`` a backward that
+    trains nothing. The policy's selection is spread over the blocks that train: 2, 2, 3, 3 in each epoch."""
+    lcsb = LCSBCallback("cyclic", layers_per_step=1, backward=backward, log_every_n_steps=0)
+    _, snaps, metrics = _fit([lcsb, ProgressiveFreezing({1: FROZEN})])
+    assert metrics["freeze/frozen_blocks"] == FROZEN
+    assert lcsb.selection_counts == [1, 1, 5, 5]  # epoch 0: one step each; epochs 1 and 2: four steps each
+    for key in [k for k in snaps if k.startswith("1:")]:
+        name = key.split(":", 1)[1]
+        frozen = any(f"layers.{i}." in name for i in range(FROZEN))
+        assert torch.equal(snaps[f"1:{name}"], snaps[f"2:{name}"]) == frozen, name
+
+
 def test_state_round_trips() -> None:
     callback = ProgressiveFreezing({1: 2})
     callback.frozen = 2
