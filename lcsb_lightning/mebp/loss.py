@@ -44,6 +44,41 @@ def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[
         head.decompress_count[phase] += 1
 
 
+class _BlockScratch:
+    """Buffers for a vocabulary block's logits and exponentials, shared by the blocks (and token chunks) of one call.
+
+    Allocated anew per block, these temporaries (hundreds per step) churn through the heap: in a heap that
+    trims have left fragmented, each lands on free pages of its own and makes them resident again (the main
+    job's loss grew the resident set by some 100 MiB at every step). Under autocast, where an ``out=`` op is
+    refused, every block allocates as before."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def matrix(self, name: str, rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``(rows, columns)`` tensor of ``like``'s dtype and device, in buffer ``name``."""
+        need = rows * columns
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
+            flat = self._flat[name] = like.new_empty(need)
+        return flat[:need].view(rows, columns)
+
+
+def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                  softcap: float | None, scratch: _BlockScratch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The transformed float logits of one vocabulary block (:func:`_transform`), in ``scratch`` where given."""
+    if scratch is None or torch.is_autocast_enabled(hidden.device.type) or hidden.dtype != torch.float32:
+        return _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
+    logits = scratch.matrix("logits", hidden.shape[0], weight.shape[0], hidden)
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=logits)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=logits)
+    if scale != 1.0:
+        logits.mul_(scale)
+    return _transform(logits, 1.0, softcap)
+
+
 class _OnlineLogSumExp:
     """A per-row log-sum-exp over vocabulary blocks seen one at a time (a running maximum and a running sum of
     exponentials rescaled whenever the maximum grows), and each row's logit at its target id."""
@@ -55,12 +90,17 @@ class _OnlineLogSumExp:
         self.target_logit = like.new_zeros(rows_n)
         self.targets = targets
 
-    def add(self, logits: torch.Tensor, rows: slice, block_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def add(self, logits: torch.Tensor, rows: slice, block_max: torch.Tensor | None = None,
+            scratch: _BlockScratch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Take in the logits of vocabulary ``rows``; returns ``(rescale, exp_logits, inside)``: the factor the
-        sums accumulated so far were scaled by, ``exp(logits - new max)`` and the rows whose target is in the block."""
+        sums accumulated so far were scaled by, ``exp(logits - new max)`` (in ``scratch`` where given, valid
+        until the next block) and the rows whose target is in the block."""
         new_max = torch.maximum(self.running_max, logits.amax(dim=1) if block_max is None else block_max)
         rescale = torch.exp(self.running_max - new_max)
-        exp_logits = torch.exp(logits - new_max[:, None])
+        if scratch is None:
+            exp_logits = torch.exp(logits - new_max[:, None])
+        else:
+            exp_logits = torch.sub(logits, new_max[:, None], out=scratch.matrix("exp", *logits.shape, logits)).exp_()
         self.running_sum = self.running_sum * rescale + exp_logits.sum(1)
         self.running_max = new_max
         inside = ((self.targets >= rows.start) & (self.targets < rows.stop)).nonzero().squeeze(1)
@@ -89,6 +129,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         scale: float,
         softcap: float | None,
+        scratch: _BlockScratch | None = None,
     ) -> torch.Tensor:
         hidden = hidden.float()
         need_grad = ctx.needs_input_grad[0]
@@ -96,8 +137,8 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
         weighted = torch.zeros_like(hidden) if need_grad else None  # sum_v exp(z_v - m) dz_v W_v
         target_rows = torch.zeros_like(hidden) if need_grad else None  # dz_y W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
-            logits, slope = _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
-            rescale, exp_logits, inside = online.add(logits, rows)
+            logits, slope = _block_logits(hidden, weight, bias, scale, softcap, scratch)
+            rescale, exp_logits, inside = online.add(logits, rows, scratch=scratch if slope is None else None)
             if weighted is not None and target_rows is not None:
                 picked = labels[inside] - rows.start
                 if slope is None:
@@ -115,7 +156,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss, None, None, None, None, None
+        return grad_hidden * grad_loss, None, None, None, None, None, None
 
 
 def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -232,10 +273,11 @@ def chunked_lm_loss(
     stream = _streamable(lm_head)
     scale, softcap = float(logit_scale), logit_softcap
     total = flat_hidden.new_zeros((), dtype=torch.float32)
+    scratch = _BlockScratch()
     for start in range(0, flat_hidden.shape[0], chunk_size):
         h, y = flat_hidden[start : start + chunk_size], flat_labels[start : start + chunk_size]
         if stream:
-            total = total + _StreamingLinearCrossEntropy.apply(h, y, lm_head, ignore_index, scale, softcap)
+            total = total + _StreamingLinearCrossEntropy.apply(h, y, lm_head, ignore_index, scale, softcap, scratch)
         elif torch.is_grad_enabled() and h.requires_grad:
             total = total + checkpoint(_chunk_loss, h, y, lm_head, ignore_index, scale, softcap, use_reentrant=False)
         else:
@@ -256,6 +298,7 @@ def lm_head_predictions(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     ignore_index: int = -100,
+    _scratch: _BlockScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
     full-vocabulary logits of all positions at once (evaluation metrics).
@@ -286,15 +329,16 @@ def lm_head_predictions(
             nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
             best[start : start + step] = logits.argmax(1)
         return nll * valid, best
+    scratch = _BlockScratch() if _scratch is None else _scratch
     if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 2 MiB each
         parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
-                                     logit_scale, logit_softcap, ignore_index) for s in range(0, n, PREDICTION_POSITIONS)]
+                                     logit_scale, logit_softcap, ignore_index, scratch) for s in range(0, n, PREDICTION_POSITIONS)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     online = _OnlineLogSumExp(hidden, safe)
     best = torch.zeros(n, dtype=torch.long, device=hidden.device)
     for rows, weight, bias in _weight_blocks(lm_head, hidden.dtype, "forward"):
-        logits, _ = _transform(F.linear(hidden, weight, bias).float(), logit_scale, logit_softcap)  # float under autocast too
+        logits, _ = _block_logits(hidden, weight, bias, logit_scale, logit_softcap, scratch)
         block_max, block_arg = logits.max(dim=1)
         best = torch.where(block_max > online.running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
-        online.add(logits, rows, block_max)
+        online.add(logits, rows, block_max, scratch)
     return (online.logsumexp() - online.target_logit) * valid, best
