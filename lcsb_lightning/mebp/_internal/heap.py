@@ -47,6 +47,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _lock = threading.Lock()
 _rss_after_last_trim = 0
 _trims_this_step = 0
+_backward_trimmed = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,8 +122,26 @@ def release_free_heap() -> None:
 
 def start_step() -> None:
     """Start a training step's count of trims (``QuantizedMeBP`` calls it before each ``training_step``)."""
-    global _trims_this_step
+    global _trims_this_step, _backward_trimmed
     _trims_this_step = 0
+    _backward_trimmed = False
+
+
+def release_before_backward() -> bool:
+    """:func:`release_free_heap` once per step, whatever the growth, when the step's first backward recompute
+    starts; returns whether it trimmed. What the forward and the loss freed then leaves before the backward's
+    peak: under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of it stayed, depending on
+    how many fresh pages the loss happened to touch."""
+    global _backward_trimmed, _trims_this_step
+    if _malloc_trim() is None:
+        return False
+    with _lock:
+        if _backward_trimmed or _trims_this_step >= MAX_TRIMS_PER_STEP:
+            return False
+        _backward_trimmed = True
+        release_free_heap()
+        _trims_this_step += 1
+        return True
 
 
 def trims_this_step() -> int:
