@@ -61,7 +61,8 @@ class MeBPConfig:
             instead: the same gradients, bit for bit, with at most one layer's float weight alive at
             a time, for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before and after each block's forward
-            and before its recompute, once the resident set grew by 16 MiB since the last time, at most
+            and before its recompute, once the resident set grew by 16 MiB since the last time (before the
+            step's first recompute whatever the growth), at most
             ``heap.MAX_TRIMS_PER_STEP`` times per training step (glibc ``malloc_trim``; a no-op with
             another allocator): the resident set stays flat instead of growing from step to step, for
             page faults that lengthen the step (docs/mebp.md).

@@ -5,7 +5,8 @@ gradients and temporaries among longer-lived tensors, so the freed pages stay re
 allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB to over 2 GB in four
 steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before and after
 each checkpointed block's forward and before its backward recompute. It trims only once the resident set has
-grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim, which keeps the RSS flat without
+grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim (and before the step's first recompute, whatever
+the growth: :func:`release_before_backward`), which keeps the RSS flat without
 re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per training
 step (:func:`start_step`). The state is per process, as the heap is.
 
