@@ -196,3 +196,21 @@ def test_the_vocabulary_blocks_reuse_their_buffers(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(loss, "VOCAB_BLOCK_ELEMENTS", 32 * 256)  # 16 blocks
     allocated = _bytes_allocated(run)
     assert allocated < 4 * block_bytes, f"{allocated} bytes for 16 blocks of {block_bytes}"
+
+
+def test_the_shared_buffers_give_the_same_loss_and_gradient_bit_for_bit() -> None:
+    """Against the blocks' own allocations (the path under autocast): the same kernels, the same bits."""
+    from lcsb_lightning.mebp import loss
+
+    torch.manual_seed(0)
+    head = nn.Linear(32, 1000).requires_grad_(False)
+    hidden = torch.randn(48, 32)
+    labels = torch.randint(0, 1000, (48,))
+    results = []
+    for scratch in (None, loss._BlockScratch()):
+        h = hidden.clone().requires_grad_(True)
+        value = loss._StreamingLinearCrossEntropy.apply(h, labels, head, -100, 1.0, None, scratch)
+        value.backward()
+        results.append((value.detach(), h.grad))
+    for plain, shared in zip(*results):
+        assert torch.equal(plain, shared)
