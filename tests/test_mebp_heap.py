@@ -75,50 +75,14 @@ def test_release_heap_trims_at_most_max_trims_per_step() -> None:
     assert heap.maybe_release_free_heap(threshold=0, max_trims=3)
 
 
-@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
-def test_the_plugin_counts_the_trims_of_each_step(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def _trims_per_step(tmp_path: Any) -> list[float]:
+    """``mebp/heap_trims`` of each of 2 steps of a 4-block LoRA model under ``QuantizedMeBP``."""
     from lightning.pytorch import LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     from lcsb_lightning.mebp import QuantizedMeBP
 
-    monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 0)  # a trim before every block and recompute ...
-    monkeypatch.setattr(heap, "MAX_TRIMS_PER_STEP", 5)  # ... 8 a step, but 5 allowed
-
-    class Lora(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = add_lora(copy.deepcopy(tiny_llama(num_layers=4)))
-
-        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return self.model(batch[0], labels=batch[0]).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
-
-    plugin = QuantizedMeBP(fmt="int4", group_size=32)
-    Trainer(accelerator="cpu", max_steps=2, plugins=[plugin], default_root_dir=tmp_path, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
-        Lora(), DataLoader(TensorDataset(tokens(batch=4)), batch_size=2))
-    assert plugin.last_metrics["mebp/heap_trims"] == 5
-
-
-@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
-def test_the_first_recompute_of_a_step_trims_whatever_the_growth(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once per step, as the backward starts: what the forward and the loss freed leaves before the backward's
-    peak, however few fresh pages the loss touched (under the growth threshold alone it stayed or not by chance)."""
-    from lightning.pytorch import LightningModule, Trainer
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lcsb_lightning.mebp import QuantizedMeBP
-
-    heap.start_step()
-    assert [heap.release_before_backward() for _ in range(2)] == [True, False]
-    heap.start_step()
-    assert heap.release_before_backward()
-
-    monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 1 << 50)  # no growth ever reaches it
-    trims_per_step: list[float] = []
+    trims: list[float] = []
 
     class Lora(LightningModule):
         def __init__(self) -> None:
@@ -129,7 +93,7 @@ def test_the_first_recompute_of_a_step_trims_whatever_the_growth(tmp_path: Any, 
             return self.model(batch[0], labels=batch[0]).loss
 
         def on_train_batch_end(self, *args: Any) -> None:
-            trims_per_step.append(plugin.last_metrics["mebp/heap_trims"])
+            trims.append(plugin.last_metrics["mebp/heap_trims"])
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
@@ -138,4 +102,23 @@ def test_the_first_recompute_of_a_step_trims_whatever_the_growth(tmp_path: Any, 
     Trainer(accelerator="cpu", max_steps=2, plugins=[plugin], default_root_dir=tmp_path, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
         Lora(), DataLoader(TensorDataset(tokens(batch=4)), batch_size=2))
-    assert trims_per_step == [1, 1]
+    return trims
+
+
+@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
+def test_the_plugin_counts_the_trims_of_each_step(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 0)  # a trim before every block and recompute ...
+    monkeypatch.setattr(heap, "MAX_TRIMS_PER_STEP", 5)  # ... 8 a step, but 5 allowed
+    assert _trims_per_step(tmp_path)[-1] == 5
+
+
+@pytest.mark.skipif(not heap.heap_release_supported(), reason="glibc only")
+def test_the_first_recompute_of_a_step_trims_whatever_the_growth(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once per step, as the backward starts: what the forward and the loss freed leaves before the backward's
+    peak, however few fresh pages the loss touched (under the growth threshold alone it stayed or not by chance)."""
+    monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 1 << 50)  # no growth ever reaches it
+    heap.start_step()
+    assert [heap.release_before_recompute() for _ in range(2)] == [True, False]
+    heap.start_step()
+    assert heap.release_before_recompute()
+    assert _trims_per_step(tmp_path) == [1, 1]

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_wrapper, install_wrapper
-from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap, release_before_backward, start_step
+from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap, release_before_recompute, start_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.prefix_cache import is_frozen
 from lcsb_lightning.selective import cuts
@@ -116,7 +116,7 @@ class _Recompute:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
         if self.release_heap and self.device.type == "cpu":
-            release_before_backward() or maybe_release_free_heap()
+            release_before_recompute()
         timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
         with checkpoint_scope(recompute=True), timer:
             return self.inner(*args, **kwargs)

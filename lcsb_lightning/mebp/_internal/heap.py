@@ -6,7 +6,7 @@ allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB t
 steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before and after
 each checkpointed block's forward and before its backward recompute. It trims only once the resident set has
 grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim (and before the step's first recompute, whatever
-the growth: :func:`release_before_backward`), which keeps the RSS flat without
+the growth: :func:`release_before_recompute`), which keeps the RSS flat without
 re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per training
 step (:func:`start_step`). The state is per process, as the heap is.
 
@@ -128,21 +128,15 @@ def start_step() -> None:
     _backward_trimmed = False
 
 
-def release_before_backward() -> bool:
-    """:func:`release_free_heap` once per step, whatever the growth, when the step's first backward recompute
-    starts; returns whether it trimmed. What the forward and the loss freed then leaves before the backward's
-    peak: under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of it stayed, depending on
-    how many fresh pages the loss happened to touch."""
-    global _backward_trimmed, _trims_this_step
-    if _malloc_trim() is None:
-        return False
+def release_before_recompute() -> bool:
+    """:func:`maybe_release_free_heap` before a backward recompute, the step's first one whatever the growth;
+    returns whether it trimmed. What the forward and the loss freed then leaves before the backward's peak:
+    under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of it stayed, depending on how many
+    fresh pages the loss happened to touch."""
+    global _backward_trimmed
     with _lock:
-        if _backward_trimmed or _trims_this_step >= MAX_TRIMS_PER_STEP:
-            return False
-        _backward_trimmed = True
-        release_free_heap()
-        _trims_this_step += 1
-        return True
+        first, _backward_trimmed = not _backward_trimmed, True
+    return maybe_release_free_heap(threshold=0 if first else None)
 
 
 def trims_this_step() -> int:
