@@ -11,7 +11,7 @@ those of ``keep_top`` blocks, plus one hidden state per block below.
 
 On the CPU each block also returns the heap that the block before it freed to the OS
 (``release_heap``; glibc only), as QuantizedMeBP does for a compressed model; the lowest block starts
-each forward pass's count of trims (QuantizedMeBP starts it at each training batch).
+each forward pass's count of trims, as there.
 """
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ def test_release_heap_trims_around_every_block_and_before_every_recompute(monkey
 
     calls: list[int] = []
     monkeypatch.setattr(checkpoint_module, "maybe_release_free_heap", lambda: calls.append(1))
+    monkeypatch.setattr(checkpoint_module, "release_before_recompute", lambda: calls.append(1))
     base = add_lora(tiny_llama(num_layers=3))
     released = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=True)
     plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=False)

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lcsb_lightning.mebp._internal.heap import start_step, trims_this_step
+from lcsb_lightning.mebp._internal.heap import trims_this_step
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
@@ -148,13 +148,6 @@ class QuantizedMeBP(Precision):
             return
         device = getattr(self._module, "device", torch.device("cpu"))
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        """Start the step's count of heap trims (``release_heap``: at most ``heap.MAX_TRIMS_PER_STEP``)."""
-        start_step()
-        with super().train_step_context():
             yield
 
     @contextlib.contextmanager

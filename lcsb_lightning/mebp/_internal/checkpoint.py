@@ -48,8 +48,7 @@ class BlockCheckpoint:
         release_heap: On CPU, return freed heap memory to the OS before and after the block runs with
             gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
         starts_step: This block runs first in every forward pass (with or without gradients, also where
-            LCSB cuts it): each call starts a new count of the step's trims (``heap.start_step``), for a model
-            that no ``QuantizedMeBP`` starts the count for.
+            LCSB cuts it): each call starts a new count of the step's trims (``heap.start_step``).
     """
 
     name = CHECKPOINT_WRAPPER
@@ -129,7 +128,8 @@ def install_block_wrappers(
     stats: MeBPStats | None = None,
     release_heap: bool = True,
 ) -> None:
-    """Install a :class:`BlockCheckpoint` on each block (reporting recompute times to ``stats``).
+    """Install a :class:`BlockCheckpoint` on each block (reporting recompute times to ``stats``); the lowest
+    starts each forward pass's count of heap trims.
 
     Example::
 
@@ -139,5 +139,6 @@ def install_block_wrappers(
     for block in blocks:
         if get_wrapper(block, CHECKPOINT_WRAPPER) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block checkpoint wrapper installed.")
-    for block in blocks:
-        install_wrapper(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap))
+    for index, block in enumerate(blocks):
+        install_wrapper(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap,
+                                               starts_step=index == 0))

@@ -7,8 +7,8 @@ steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap
 each checkpointed block's forward and before its backward recompute. It trims only once the resident set has
 grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim (and before the step's first recompute, whatever
 the growth: :func:`release_before_recompute`), which keeps the RSS flat without
-re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per training
-step (:func:`start_step`). The state is per process, as the heap is.
+re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per forward
+pass, a training step's (:func:`start_step`, which the lowest block calls). The state is per process, as the heap is.
 
 glibc also serves an allocation above its mmap threshold from pages of its own, returned to the OS
 when freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so
@@ -122,7 +122,7 @@ def release_free_heap() -> None:
 
 
 def start_step() -> None:
-    """Start a training step's count of trims (``QuantizedMeBP`` calls it before each ``training_step``)."""
+    """Start a forward pass's count of trims (the lowest block's ``BlockCheckpoint`` calls it at each call)."""
     global _trims_this_step, _backward_trimmed
     _trims_this_step = 0
     _backward_trimmed = False
