@@ -56,10 +56,10 @@ class _BlockScratch:
         self._flat: dict[str, torch.Tensor] = {}
 
     def matrix(self, name: str, rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous ``(rows, columns)`` tensor of ``like``'s dtype and device, in buffer ``name``."""
+        """A contiguous ``(rows, columns)`` tensor of ``like``'s dtype and device (one call's), in buffer ``name``."""
         need = rows * columns
         flat = self._flat.get(name)
-        if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
+        if flat is None or flat.numel() < need:
             flat = self._flat[name] = like.new_empty(need)
         return flat[:need].view(rows, columns)
 
@@ -67,7 +67,7 @@ class _BlockScratch:
 def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
                   softcap: float | None, scratch: _BlockScratch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The transformed float logits of one vocabulary block (:func:`_transform`), in ``scratch`` where given."""
-    if scratch is None or torch.is_autocast_enabled(hidden.device.type) or hidden.dtype != torch.float32:
+    if scratch is None or torch.is_autocast_enabled(hidden.device.type):
         return _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
     logits = scratch.matrix("logits", hidden.shape[0], weight.shape[0], hidden)
     if bias is None:
@@ -138,7 +138,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
         target_rows = torch.zeros_like(hidden) if need_grad else None  # dz_y W_y
         for rows, weight, bias in _weight_blocks(head, hidden.dtype, "forward"):
             logits, slope = _block_logits(hidden, weight, bias, scale, softcap, scratch)
-            rescale, exp_logits, inside = online.add(logits, rows, scratch=scratch if slope is None else None)
+            rescale, exp_logits, inside = online.add(logits, rows, scratch=scratch)
             if weighted is not None and target_rows is not None:
                 picked = labels[inside] - rows.start
                 if slope is None:
@@ -298,7 +298,6 @@ def lm_head_predictions(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     ignore_index: int = -100,
-    _scratch: _BlockScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
     full-vocabulary logits of all positions at once (evaluation metrics).
@@ -329,16 +328,21 @@ def lm_head_predictions(
             nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
             best[start : start + step] = logits.argmax(1)
         return nll * valid, best
-    scratch = _BlockScratch() if _scratch is None else _scratch
-    if n > PREDICTION_POSITIONS:  # bounds the block logits (and their exponentials) to 2 MiB each
-        parts = [lm_head_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, targets[s : s + PREDICTION_POSITIONS],
-                                     logit_scale, logit_softcap, ignore_index, scratch) for s in range(0, n, PREDICTION_POSITIONS)]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    online = _OnlineLogSumExp(hidden, safe)
-    best = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    scratch = _BlockScratch()
+    # PREDICTION_POSITIONS at a time bounds the block logits (and their exponentials) to 2 MiB each
+    parts = [_streamed_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, safe[s : s + PREDICTION_POSITIONS],
+                                   logit_scale, logit_softcap, scratch) for s in range(0, n, PREDICTION_POSITIONS) or [0]]
+    return torch.cat([p[0] for p in parts]) * valid, torch.cat([p[1] for p in parts])
+
+
+def _streamed_predictions(hidden: torch.Tensor, lm_head: nn.Linear, targets: torch.Tensor, scale: float,
+                          softcap: float | None, scratch: _BlockScratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lm_head_predictions` of a frozen ``nn.Linear`` head for a few positions (``targets`` all valid ids)."""
+    online = _OnlineLogSumExp(hidden, targets)
+    best = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
     for rows, weight, bias in _weight_blocks(lm_head, hidden.dtype, "forward"):
-        logits, _ = _block_logits(hidden, weight, bias, logit_scale, logit_softcap, scratch)
+        logits, _ = _block_logits(hidden, weight, bias, scale, softcap, scratch)
         block_max, block_arg = logits.max(dim=1)
         best = torch.where(block_max > online.running_max, block_arg + rows.start, best)  # the first maximum wins, as argmax
         online.add(logits, rows, block_max, scratch)
-    return (online.logsumexp() - online.target_logit) * valid, best
+    return online.logsumexp() - online.target_logit, best
