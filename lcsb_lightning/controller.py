@@ -94,8 +94,7 @@ class LCSBController:
         if step == self.selected_at_step:
             return None
         selection = self.policy.select(step)
-        frozen = self._frozen_prefix()
-        if self.backward != "all_reached" and frozen:
+        if self.backward != "all_reached" and (frozen := self._frozen_prefix()):
             # The policy's blocks spread over the ones that train (ProgressiveFreezing froze the lowest): a
             # frozen block runs without a graph, so selecting only frozen ones would train nothing (identity:
             # no graph at all). all_reached needs no mapping: its backward reaches the blocks above anyway.
