@@ -30,10 +30,10 @@ CONFIGS = {
 }
 
 
-def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+def _adapter(run_dir: Path, name: str = "adapter") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return load_file(str(run_dir / name / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("dyadic", "cyclic_int4", "grad_norm") else [pytest.mark.slow])
@@ -68,6 +68,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path, name: st
     assert ours["initial_metrics"] == theirs["initial_metrics"]
     assert ours["block_selection_counts"] == theirs["block_selection_counts"]
     a, b = _adapter(killed), _adapter(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ours["best"]["step"] == theirs["best"]["step"] and ours["best"]["value"] == theirs["best"]["value"]
+    a, b = _adapter(killed, "adapter_best"), _adapter(reference, "adapter_best")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

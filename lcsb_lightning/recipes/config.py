@@ -205,7 +205,7 @@ class FinetuneConfig:
         _fail(problems)
         if self.best_adapter is not None:
             try:
-                BestAdapter(self.best_adapter, self.best_adapter_mode)
+                BestAdapter("adapter_best", self.best_adapter, self.best_adapter_mode)
             except ValueError as exc:
                 raise ValueError(f"invalid configuration: best_adapter: {exc}") from None
         policy = _build_check("policy", self.policy)

@@ -175,7 +175,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
     callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
-        best = BestAdapter(str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
+        best = BestAdapter(Path(output_dir) / BEST_ADAPTER_NAME, str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
         callbacks.append(best)
         if cfg.get("early_stopping_patience") is not None:  # watches what the best adapter is chosen by
             callbacks.append(EarlyStopping(monitor=best.monitor, mode=best.mode, patience=int(cfg.early_stopping_patience),
@@ -354,9 +354,7 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     curve = None
     if trainer.is_global_zero:
         with memory.phase("save"):
-            save_adapter(module.model, out / ADAPTER_NAME)
-            if best is not None:
-                best.save(module.model, out / BEST_ADAPTER_NAME)
+            save_adapter(module.model, out / ADAPTER_NAME)  # adapter_best/: written by BestAdapter at its evaluation
         with memory.phase("plots"):
             curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
     # Measured to here (the summary's own write is a few KB); the whole-process peak is the kernel's.
