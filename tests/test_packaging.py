@@ -34,6 +34,17 @@ def test_packaged_configs_are_the_repository_configs() -> None:
     assert Path(conf.__file__).resolve().parent == (ROOT / "conf").resolve()  # editable install: the same files
 
 
+def test_every_config_group_is_a_listed_package() -> None:
+    """A config group missing from pyproject's packages would be left out of the wheel (and setuptools warns
+    at every install about a folder it can import but does not package)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    groups = {f"lcsb_lightning.conf.{d.name}" for d in (ROOT / "conf").iterdir()
+              if d.is_dir() and any(d.glob("*.yaml"))}
+    assert groups and groups <= listed, sorted(groups - listed)
+
+
 def test_hand_written_loop_runs() -> None:
     """(recipes/lightning_module.py runs in tests/test_readme.py.)"""
     done = subprocess.run([sys.executable, str(ROOT / "recipes" / "hand_written_loop.py"), "--steps", "4"],
