@@ -149,3 +149,28 @@ def test_a_disabled_timer_records_nothing() -> None:
     stats.enabled = False
     _step(model, tokens())
     assert stats.as_dict()["mebp/decompress_fwd_count"] == 0 and stats.recompute_ms == 0
+
+
+def test_one_weight_at_a_time_keeps_one_free_buffer_that_serves_every_layer() -> None:
+    """``keep_recomputed_weights=False`` decompresses one weight at a time, so one buffer (the largest weight's)
+    serves them all; a pool of one buffer per weight size held 3.3 MB more at the 0.5B shape's peak."""
+    model = apply_mebp(add_lora(tiny_llama(num_layers=3)), fmt="int4", group_size=32, keep_recomputed_weights=False)
+    workspace = mebp_state(model).workspace
+    for step in range(3):
+        _step(model, tokens(seed=step))
+        if step == 0:
+            allocations = workspace.allocations
+    by_dtype = [buffer.dtype for buffer in workspace.buffers()]
+    assert sorted(map(str, by_dtype)) == ["torch.float32", "torch.int32"]  # the weights' and the code lookup's
+    assert workspace.allocations == allocations, "a later step allocated decompression buffers again"
+
+
+def test_weights_kept_from_the_recompute_keep_a_buffer_per_lent_weight() -> None:
+    """The defaults lend every Linear of a block at once (recompute to backward): one buffer would not do."""
+    model = apply_mebp(add_lora(tiny_llama(num_layers=3)), fmt="int4", group_size=32)
+    workspace = mebp_state(model).workspace
+    _step(model, tokens())
+    allocations = workspace.allocations
+    _step(model, tokens(seed=1))
+    assert sum(buffer.is_floating_point() for buffer in workspace.buffers()) > 1
+    assert workspace.allocations == allocations

@@ -59,7 +59,7 @@ class MeBPConfig:
             backward recompute until that Linear's backward (one backward decompression per layer,
             every Linear of the block decompressed at once). ``False`` decompresses it again there
             instead: the same gradients, bit for bit, with at most one layer's float weight alive at
-            a time, for one more decompression per layer.
+            a time (one decompression buffer serves every layer), for one more decompression per layer.
         release_heap: On CPU, return freed heap memory to the OS before and after each block's forward
             and before its recompute, once the resident set grew by 16 MiB since the last time (before the
             step's first recompute whatever the growth), at most

@@ -24,6 +24,11 @@ from typing import Sequence
 
 import torch
 
+#: Free buffers kept per dtype and device by default: a checkpointed block lends one weight per Linear
+#: (seven in a Llama block) from its recompute to its backward.
+DEFAULT_FREE_BUFFERS = 8
+
+
 class DecompressionWorkspace:
     """Free flat buffers per dtype and device, lent out as views of the requested shape.
 
@@ -36,10 +41,11 @@ class DecompressionWorkspace:
     Args:
         max_free_per_key: Free buffers kept per dtype and device (a checkpointed block holds one
             weight per Linear between its recompute and its backward, so all of a block's Linears
-            can be lent at once).
+            can be lent at once). 1 where weights are decompressed one at a time
+            (``keep_recomputed_weights=False``): the largest weight's buffer then serves every layer.
     """
 
-    def __init__(self, max_free_per_key: int = 8) -> None:
+    def __init__(self, max_free_per_key: int = DEFAULT_FREE_BUFFERS) -> None:
         if max_free_per_key < 1:
             raise ValueError(f"`max_free_per_key` must be >= 1, got {max_free_per_key}.")
         self.max_free_per_key = max_free_per_key
