@@ -16,7 +16,7 @@ from lcsb_lightning.mebp._internal.heap import map_large_allocations
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
-from lcsb_lightning.mebp._internal.workspace import DEFAULT_FREE_BUFFERS, DecompressionWorkspace
+from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
 
@@ -272,11 +272,7 @@ def finish_conversion(
     weight_store: MappedWeights | None = None,
 ) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
-    # One weight at a time (no recomputed weight kept for backward): one buffer serves every layer, where a
-    # pool of one buffer per weight size held 3.3 MB more at the 0.5B shape's peak (docs/mebp.md).
-    free_buffers = DEFAULT_FREE_BUFFERS if config.keep_recomputed_weights else 1
-    state = MeBPState(config, blocks, compressed, weight_store=weight_store,
-                      workspace=DecompressionWorkspace(max_free_per_key=free_buffers))
+    state = MeBPState(config, blocks, compressed, weight_store=weight_store)
     state.stats.sync_timing = config.sync_timing
     for module in compressed.values():
         module.stats, module.workspace = state.stats, state.workspace  # type: ignore[union-attr]

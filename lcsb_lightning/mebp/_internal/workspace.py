@@ -24,28 +24,22 @@ from typing import Sequence
 
 import torch
 
-#: Free buffers kept per dtype and device by default: a checkpointed block lends one weight per Linear
-#: (seven in a Llama block) from its recompute to its backward.
-DEFAULT_FREE_BUFFERS = 8
-
 
 class DecompressionWorkspace:
     """Free flat buffers per dtype and device, lent out as views of the requested shape.
 
     A request takes the smallest free buffer that is large enough (a ``(896, 896)`` weight may reuse
-    the buffer of a ``(4864, 896)`` one), or allocates one of exactly its size; at most
-    ``max_free_per_key`` free buffers are kept per dtype and device. When layers decompress one at a
-    time (``keep_recomputed_weights=False``), the workspace therefore settles on about one buffer
-    per distinct weight size instead of one per shape.
+    the buffer of a ``(4864, 896)`` one), or allocates one of exactly its size. Per dtype and device it
+    keeps as many free buffers as were ever lent at once (the largest ones), at most ``max_free_per_key``:
+    a checkpointed block lends one weight per Linear from its recompute to its backward, while layers
+    that decompress one at a time (``keep_recomputed_weights=False``) settle on one buffer, the largest
+    weight's, which serves every layer.
 
     Args:
-        max_free_per_key: Free buffers kept per dtype and device (a checkpointed block holds one
-            weight per Linear between its recompute and its backward, so all of a block's Linears
-            can be lent at once). 1 where weights are decompressed one at a time
-            (``keep_recomputed_weights=False``): the largest weight's buffer then serves every layer.
+        max_free_per_key: The most free buffers kept per dtype and device.
     """
 
-    def __init__(self, max_free_per_key: int = DEFAULT_FREE_BUFFERS) -> None:
+    def __init__(self, max_free_per_key: int = 8) -> None:
         if max_free_per_key < 1:
             raise ValueError(f"`max_free_per_key` must be >= 1, got {max_free_per_key}.")
         self.max_free_per_key = max_free_per_key
@@ -54,6 +48,7 @@ class DecompressionWorkspace:
         # graph) is freed as usual. Aliases the borrower hands back (a view, autograd's unpacked
         # copy of the handle) share the address; anything else is not ours and is ignored.
         self._lent: weakref.WeakValueDictionary[tuple[int, torch.device], torch.Tensor] = weakref.WeakValueDictionary()
+        self._most_lent: dict[tuple[torch.dtype, torch.device], int] = {}  # the most lent at once, per key
         self._lock = threading.Lock()  # CUDA runs backward on autograd's own threads
         self.allocations = 0
         self.reuses = 0
@@ -76,6 +71,8 @@ class DecompressionWorkspace:
             flat = torch.empty(numel, dtype=dtype, device=key[1])
         with self._lock:
             self._lent[(flat.untyped_storage().data_ptr(), flat.device)] = flat
+            lent_now = sum(1 for lent in self._lent.values() if (lent.dtype, lent.device) == key)
+            self._most_lent[key] = max(self._most_lent.get(key, 0), lent_now)
         return flat[:numel].view(dims)
 
     def give_back(self, tensor: torch.Tensor) -> None:
@@ -86,9 +83,10 @@ class DecompressionWorkspace:
             flat = self._lent.pop(lent_key, None)
             if flat is None:  # not lent by this workspace, or already given back
                 return
-            free = self._free.setdefault((flat.dtype, flat.device), [])
+            key = (flat.dtype, flat.device)
+            free = self._free.setdefault(key, [])
             free.append(flat)
-            if len(free) > self.max_free_per_key:  # drop the smallest
+            if len(free) > min(self.max_free_per_key, self._most_lent[key]):  # drop the smallest
                 del free[min(range(len(free)), key=lambda i: free[i].numel())]
 
     def buffers(self) -> list[torch.Tensor]:
