@@ -114,7 +114,9 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvem
     summary = _run(["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "module.lr=1e-2",
                     "trainer.max_steps=8", "best_adapter_mode=max", f"early_stopping_patience={patience or 'null'}"], out)
     assert summary["steps"] == steps and summary["stopped_early_at"] == stopped_early_at
-    assert (out / "adapter_best").is_dir() and (out / "adapter").is_dir()
+    # real folders, and nothing hidden beside them (the folders of 0.9 were links to hidden ones)
+    assert all((out / name).is_dir() and not (out / name).is_symlink() for name in ("adapter", "adapter_best"))
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".adapter")]
 
 
 def test_best_adapter_null_writes_no_best_adapter(tmp_path: Path) -> None:
