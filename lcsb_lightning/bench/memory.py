@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from lcsb_lightning.peft_without_bnb import peft_without_bitsandbytes
-from lcsb_lightning.recipes.run_memory import RunMemory, read_status  # RssAnon and VmRSS in MB of 2**20 bytes
+from lcsb_lightning.process_memory import RunMemory, read_status  # RssAnon and VmRSS in MB of 2**20 bytes
 
 #: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

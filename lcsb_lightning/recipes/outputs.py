@@ -1,24 +1,16 @@
-"""Run outputs written atomically: the LoRA adapter, ``summary.json``, and process memory figures."""
+"""Run outputs written atomically: the LoRA adapter, ``summary.json``, checkpoints; the loss curve."""
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import secrets
 import shutil
 import stat
-import sys
 from pathlib import Path
 from typing import IO, Any
 
 from torch import nn
-
-
-def peak_rss_mb() -> float:
-    """Whole-process peak resident set size in MiB (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
 def open_beside(path: Path, mode: str = "w") -> tuple[IO[Any], Path]:
