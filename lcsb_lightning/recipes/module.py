@@ -192,7 +192,7 @@ class CausalLMModule(LightningModule):
         target = batch["labels"][:, 1:]
         nll, best = lm_head_predictions(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head, target.reshape(-1),
                                         transform["logit_scale"] or 1.0, transform["logit_softcap"], IGNORE)
-        self.val_lm.update(None, target.reshape(-1), nll=nll, predicted=best)
+        self.val_lm.update(None, batch["labels"], nll=nll, predicted=best)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""
