@@ -7,7 +7,6 @@ the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logg
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_method, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -102,17 +101,15 @@ def uses_mebp(cfg: DictConfig) -> bool:
 
 
 def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
-    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model factory reads weights
-    tensor by tensor (it takes ``mebp``: the packaged ``smollm2_135m`` and ``from_pretrained``), so the
-    model is built compressed from its file and the float model never exists; else ``{}`` (the plugin
-    compresses the loaded float model at fit start)."""
-    if not uses_mebp(cfg):
+    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model node has a ``mebp`` key (its
+    factory reads weights tensor by tensor: the packaged ``smollm2_135m`` and ``hf``), so the model is built
+    compressed from its file and the float model never exists; else ``{}`` (the plugin compresses the loaded
+    float model at fit start)."""
+    if not uses_mebp(cfg) or "mebp" not in cfg.model:
         return {}
     from lcsb_lightning.mebp import MeBPConfig
 
-    config = MeBPConfig.from_node(OmegaConf.to_container(cfg.mebp, resolve=True))
-    target = get_method(str(cfg.model._target_))
-    return {"mebp": config} if "mebp" in inspect.signature(target).parameters else {}
+    return {"mebp": MeBPConfig.from_node(OmegaConf.to_container(cfg.mebp, resolve=True))}
 
 
 def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
