@@ -137,6 +137,19 @@ def test_lm_head_predictions_equal_the_full_logits(monkeypatch: pytest.MonkeyPat
     assert torch.equal(best, logits.argmax(1)) and float(nll[3]) == 0.0
 
 
+@pytest.mark.parametrize("head_kind", ["linear", "callable"])
+def test_lm_head_predictions_refuse_a_target_outside_the_vocabulary_as_the_loss_does(head_kind: str) -> None:
+    from lcsb_lightning.mebp import loss
+
+    linear = torch.nn.Linear(16, 40).requires_grad_(False)
+    head: Any = linear if head_kind == "linear" else (lambda x: linear(x))
+    targets = torch.tensor([3, -100, 40])
+    with pytest.raises(ValueError, match=r"label 40 is outside the vocabulary of 40 \(ids 0..39\)"):
+        loss.lm_head_predictions(torch.randn(3, 16), head, targets)
+    with pytest.raises(ValueError, match=r"label 40 is outside the vocabulary of 40 \(ids 0..39\)"):
+        chunked_lm_loss(torch.randn(1, 3, 16), head, targets[None], shift_labels=False)
+
+
 def test_streamed_loss_under_bf16_autocast_is_the_float_loss() -> None:
     # the head's logits come out of autocast in bf16: the online log-sum-exp keeps float32 (found by
     # test_bf16_mixed_int4_run_on_cpu once the recipes streamed their training loss by default)

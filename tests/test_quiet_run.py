@@ -22,9 +22,9 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_core_and_recipe_building_without_4bit_do_not_import_bitsandbytes(tmp_path: Path) -> None:
-    """``import lcsb_lightning``, and the recipes' modules, config checks, model and Trainer of an
-    ``mebp=none`` run leave bitsandbytes alone; ``mebp=nf4``'s plugin imports it. (peft, which the LoRA
-    of every run needs, imports it whatever the run does: not built here.)"""
+    """``import lcsb_lightning``, and the recipes' modules, config checks, model, LoRA (peft, which imports
+    bitsandbytes where it is installed unless kept from it) and Trainer of an ``mebp=none`` run leave
+    bitsandbytes alone; ``mebp=nf4``'s plugin imports it."""
     result = _python(f"""
         import sys
         sys.path.insert(0, "tests")
@@ -37,7 +37,7 @@ def test_core_and_recipe_building_without_4bit_do_not_import_bitsandbytes(tmp_pa
             cfg = compose_cfg([*FAST, f"mebp={{mebp}}", "task=pydoc"])
             check_config(cfg)
             if mebp == "none":
-                train.build(cfg.model)
+                train.prepare(cfg)
             train.build_trainer(cfg, {str(tmp_path)!r} + "/" + mebp)
             print(mebp, "imports bitsandbytes:", "bitsandbytes" in sys.modules)
     """)

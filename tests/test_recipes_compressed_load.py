@@ -83,3 +83,27 @@ def test_the_helpers_build_compressed_without_a_float_model(tmp_path: Path, monk
         files = cache / models.SMOLLM2_CACHE_NAME
         model = models.from_pretrained(str(tmp_path / "smol.gguf"), tokenizer=str(files), mebp=config).model
     assert mebp_state(model) is not None and _float_elements(model) < 1_000
+
+
+@pytest.mark.parametrize(("model_node", "expected"), [
+    ({"_target_": "lcsb_lightning.recipes.models.smollm2_135m", "source": "gguf"}, False),  # the node does not ask
+    ({"_target_": "lcsb_lightning.recipes.models.smollm2_135m", "source": "gguf", "mebp": None}, True),
+])
+def test_the_model_node_says_whether_the_model_is_built_compressed(model_node: dict, expected: bool) -> None:
+    """A model node with a ``mebp`` key gets the run's ``MeBPConfig`` there (the factory builds the model
+    compressed); without one, the float model is loaded and the plugin compresses it at fit start."""
+    from omegaconf import OmegaConf
+
+    from lcsb_lightning.recipes.train import model_loading_options
+
+    cfg = compose_cfg([*FAST, "mebp=int4"])
+    cfg.model = OmegaConf.create(model_node)
+    options = model_loading_options(cfg)
+    assert (set(options) == {"mebp"} and isinstance(options["mebp"], MeBPConfig)) if expected else options == {}
+    assert model_loading_options(compose_cfg([*FAST, "mebp=none"])) == {}
+
+
+@pytest.mark.parametrize("name", ["smollm2_135m", "hf"])
+def test_the_packaged_nodes_of_file_readers_ask_for_a_compressed_build(name: str) -> None:
+    cfg = compose_cfg([f"model={name}", "mebp=int4", "model.name_or_path=x" if name == "hf" else "model.source=gguf"])
+    assert "mebp" in cfg.model and cfg.model.mebp is None

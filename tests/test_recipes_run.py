@@ -46,12 +46,25 @@ def _assert_outputs(out: Path, summary: dict) -> None:
         assert key in summary["initial_metrics"] and key in summary["final_metrics"]
 
 
+def _assert_memory_by_phase(memory: dict) -> None:
+    """summary.json's memory: every phase of the run in its order, each peak within the run's; training (the
+    optimizer's moments, gradients, activations on top of the loaded model) peaks above loading."""
+    phases = memory["phases"]
+    assert list(phases) == ["load", "initial_eval", "train", "final_eval", "save", "plots"]
+    assert memory["after_imports_anon_mib"] > 0 and memory["peak_anon_above_imports_mib"] > 0
+    for name, peaks in phases.items():
+        assert 0 < peaks["peak_anon_above_imports_mib"] <= memory["peak_anon_above_imports_mib"], (name, memory)
+        assert memory["after_imports_rss_mib"] < peaks["peak_rss_mib"] <= memory["peak_rss_mib"], (name, memory)
+    assert phases["train"]["peak_anon_above_imports_mib"] > phases["load"]["peak_anon_above_imports_mib"], memory
+
+
 def test_lm_text_run_and_adapter_reload(tmp_path: Path) -> None:
     train, evals = write_text(tmp_path)
     overrides = ["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "module.lr=1e-2"]
     out = tmp_path / "run"
     summary = _run(overrides, out)
     _assert_outputs(out, summary)
+    _assert_memory_by_phase(json.loads((out / "summary.json").read_text())["memory"])
     assert summary["final_metrics"]["val/loss"] < summary["initial_metrics"]["val/loss"]
 
     # Reload the adapter on a fresh base model: the final eval loss is reproduced.
@@ -114,7 +127,9 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvem
     summary = _run(["task=lm_text", f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "module.lr=1e-2",
                     "trainer.max_steps=8", "best_adapter_mode=max", f"early_stopping_patience={patience or 'null'}"], out)
     assert summary["steps"] == steps and summary["stopped_early_at"] == stopped_early_at
-    assert (out / "adapter_best").is_dir() and (out / "adapter").is_dir()
+    # real folders, and nothing hidden beside them (the folders of 0.9 were links to hidden ones)
+    assert all((out / name).is_dir() and not (out / name).is_symlink() for name in ("adapter", "adapter_best"))
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".adapter")]
 
 
 def test_best_adapter_null_writes_no_best_adapter(tmp_path: Path) -> None:

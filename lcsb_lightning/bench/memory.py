@@ -31,7 +31,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from lcsb_lightning.recipes.run_memory import RunMemory, read_status  # RssAnon and VmRSS in MB of 2**20 bytes
+from lcsb_lightning.peft_without_bnb import peft_without_bitsandbytes
+from lcsb_lightning.process_memory import RunMemory, read_status  # RssAnon and VmRSS in MB of 2**20 bytes
 
 #: The anchors' LoRA targets (MeBP and MeSP: r8 on these seven projections).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -203,7 +204,8 @@ def _load(spec: Mapping[str, Any]) -> tuple[Any, list[Any]]:
         plugins = [QuantizedMeBP(config)]
     rank = int(spec["rank"])
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, lora), plugins
+    with peft_without_bitsandbytes():
+        return get_peft_model(model, lora), plugins
 
 
 def _run(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -170,17 +170,23 @@ def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tup
     return capped * softcap, 1.0 - capped.square()
 
 
-def _chunk_loss(
+def _chunk_nll(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     ignore_index: int,
     scale: float,
     softcap: float | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of a chunk through any head, the NLL of ``labels`` (0 at ``ignore_index``), and the logits."""
     logits, _ = _transform(lm_head(hidden).float(), scale, softcap)
     _check_labels(labels, logits.shape[-1], ignore_index)
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none"), logits
+
+
+def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                ignore_index: int, scale: float, softcap: float | None) -> torch.Tensor:
+    return _chunk_nll(hidden, labels, lm_head, ignore_index, scale, softcap)[0].sum()
 
 
 def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -315,19 +321,22 @@ def lm_head_predictions(
 
     Returns:
         ``(nll, argmax)``: float32 and long tensors of shape ``(n,)``.
+
+    Raises:
+        ValueError: a target outside ``0..vocab-1`` other than ``ignore_index`` (as :func:`chunked_lm_loss`).
     """
     hidden = hidden.float()
     n = hidden.shape[0]
+    vocab_size = getattr(lm_head, "out_features", None)
+    if isinstance(vocab_size, int):
+        _check_labels(targets, vocab_size, ignore_index)
+    if not _streamable(lm_head):  # the loss's own chunks, a few positions at a time
+        step = max(1, VOCAB_BLOCK_ELEMENTS // max(1, vocab_size or 1))
+        parts = [_chunk_nll(hidden[s : s + step], targets[s : s + step], lm_head, ignore_index, logit_scale, logit_softcap)
+                 for s in range(0, n, step) or [0]]
+        return torch.cat([nll for nll, _ in parts]), torch.cat([logits.argmax(1) for _, logits in parts])
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets))
-    if not _streamable(lm_head):
-        step = max(1, VOCAB_BLOCK_ELEMENTS // max(1, int(getattr(lm_head, "out_features", 0) or 1)))
-        nll, best = hidden.new_empty(n), torch.empty(n, dtype=torch.long, device=hidden.device)
-        for start in range(0, n, step):
-            logits, _ = _transform(lm_head(hidden[start : start + step]).float(), logit_scale, logit_softcap)
-            nll[start : start + step] = torch.logsumexp(logits, 1) - logits.gather(1, safe[start : start + step, None])[:, 0]
-            best[start : start + step] = logits.argmax(1)
-        return nll * valid, best
     scratch = _BlockScratch()
     # PREDICTION_POSITIONS at a time bounds the block logits (and their exponentials) to 2 MiB each
     parts = [_streamed_predictions(hidden[s : s + PREDICTION_POSITIONS], lm_head, safe[s : s + PREDICTION_POSITIONS],

@@ -16,7 +16,6 @@ import errno
 import logging
 import os
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lcsb_lightning.recipes.outputs import open_beside
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +59,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         destination = Path(path)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+        handle, tmp = open_beside(destination, "wb")
         try:
-            with os.fdopen(fd, "wb") as handle:
+            with handle:
                 torch.save(checkpoint, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, destination)
         except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             raise OSError(exc.errno, f"could not write the checkpoint {destination}: {reason}; the previous "
                                      "checkpoint there, if any, is intact") from exc
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
 

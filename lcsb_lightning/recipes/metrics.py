@@ -34,23 +34,28 @@ class LanguageModelMetrics(Metric):
 
         Args:
             logits: ``(batch, seq, vocab)`` logits, or None with ``nll`` and ``predicted``.
-            labels: ``(batch, seq)`` labels, not yet shifted; with ``nll``, the ``(n,)`` shifted targets.
-            nll, predicted: Per-position NLL and predicted token, ``(n,)`` each: what a streamed LM head
-                gives (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed.
+            labels: ``(batch, seq)`` labels, not yet shifted (as the model takes them), in either case.
+            nll, predicted: Per shifted position (position ``t`` predicts ``labels[:, t + 1]``), the NLL and the
+                predicted token, ``(batch, seq - 1)`` or flattened: what a streamed LM head gives
+                (``lcsb_lightning.mebp.loss.lm_head_predictions``), no logits needed.
         """
-        if nll is not None and predicted is not None:
-            self._accumulate(nll, predicted, labels)
-            return
-        if logits is None:
-            raise ValueError("LanguageModelMetrics.update needs `logits`, or both `nll` and `predicted` (a streamed "
-                             f"head's); got nll={'a tensor' if nll is not None else None}, "
-                             f"predicted={'a tensor' if predicted is not None else None}.")
-        logits = logits[:, :-1].float()
-        target = labels[:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
-        )
-        self._accumulate(nll, logits.argmax(-1).reshape(-1), target.reshape(-1))
+        if labels.dim() != 2:
+            raise ValueError(f"LanguageModelMetrics.update needs `labels` (batch, seq), not yet shifted; got shape "
+                             f"{tuple(labels.shape)}.")
+        target = labels[:, 1:].reshape(-1)
+        if nll is None or predicted is None:
+            if logits is None:
+                raise ValueError("LanguageModelMetrics.update needs `logits`, or both `nll` and `predicted` (a streamed "
+                                 f"head's); got nll={'a tensor' if nll is not None else None}, "
+                                 f"predicted={'a tensor' if predicted is not None else None}.")
+            shifted = logits[:, :-1].float().reshape(-1, logits.size(-1))
+            nll = torch.nn.functional.cross_entropy(shifted, target, ignore_index=IGNORE, reduction="none")
+            predicted = shifted.argmax(-1)
+        if nll.numel() != target.numel() or predicted.numel() != target.numel():
+            raise ValueError(f"LanguageModelMetrics.update: `nll` and `predicted` need one per shifted position of "
+                             f"`labels` ({labels.shape[0]} x {labels.shape[1] - 1} = {target.numel()}); got "
+                             f"{nll.numel()} and {predicted.numel()}.")
+        self._accumulate(nll.reshape(-1), predicted.reshape(-1), target)
 
     def _accumulate(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
         mask = target != IGNORE

@@ -12,6 +12,7 @@ from lightning import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lcsb_lightning.peft_without_bnb import peft_without_bitsandbytes
 from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetrics
 from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
 
@@ -122,11 +123,13 @@ class CausalLMModule(LightningModule):
             from peft import PeftModel
 
             check_adapter(init_adapter)
-            model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
+            with peft_without_bitsandbytes():
+                model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
         elif lora is not None:
             from peft import get_peft_model
 
-            model = get_peft_model(model, lora)
+            with peft_without_bitsandbytes():
+                model = get_peft_model(model, lora)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameter; configure lora:")
         self.model = model.train()  # from_pretrained returns eval mode; Lightning restores modes per loop
@@ -189,7 +192,7 @@ class CausalLMModule(LightningModule):
         target = batch["labels"][:, 1:]
         nll, best = lm_head_predictions(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head, target.reshape(-1),
                                         transform["logit_scale"] or 1.0, transform["logit_softcap"], IGNORE)
-        self.val_lm.update(None, target.reshape(-1), nll=nll, predicted=best)
+        self.val_lm.update(None, batch["labels"], nll=nll, predicted=best)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """One LoRA training step; logs ``train/loss`` and ``train/lr``."""

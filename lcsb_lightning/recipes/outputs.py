@@ -1,36 +1,44 @@
-"""Run outputs written atomically: the LoRA adapter, ``summary.json``, and process memory figures."""
+"""Run outputs written atomically: the LoRA adapter, ``summary.json``, checkpoints; the loss curve."""
 
 from __future__ import annotations
 
 import json
 import os
-import resource
+import secrets
 import shutil
-import sys
-import tempfile
+import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from torch import nn
 
 
-def peak_rss_mb() -> float:
-    """Whole-process peak resident set size in MiB (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+def open_beside(path: Path, mode: str = "w") -> tuple[IO[Any], Path]:
+    """A new hidden file beside ``path`` (same folder, so a rename onto ``path`` is atomic) and its path.
+
+    The file gets the permissions of a file the process creates as usual (``0o666`` less the umask), not the
+    ``0o600`` of ``tempfile.mkstemp``: the renamed file keeps them, and a run's outputs are shared or copied.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileExistsError:
+            continue
+        return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})), tmp
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file and a rename: ``path`` is never half-written,
     and an interrupted write leaves the previous file intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, tmp = open_beside(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with handle:
+            handle.write(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
@@ -98,14 +106,14 @@ def _check_finite(model: nn.Module) -> None:
 def save_adapter(model: nn.Module, path: Path) -> Path:
     """Save a peft model's adapter (``save_pretrained``) so that ``path`` always holds a complete adapter.
 
-    ``path`` is a symbolic link to a sibling folder ``.<name>-<n>``: the new adapter is written into a
-    new folder, then the link is replaced in one atomic rename, then the previous folder is removed.
-    An interrupted save leaves the previous adapter in place; ``PeftModel.from_pretrained(path)``
-    follows the link.
+    ``path`` is a real folder, replaced as a checkpoint file is: the adapter is written into a new hidden
+    folder beside it, which then takes its place (:func:`replace_folder`). An interrupted save leaves the
+    previous adapter in place. The files get the umask's permissions, so the folder copies (``cp -r``,
+    ``tar``) and loads (``PeftModel.from_pretrained(path)``) anywhere.
 
     Args:
         model: A ``peft.PeftModel``.
-        path: The adapter's path (an existing real folder there is replaced the same way).
+        path: The adapter's folder.
 
     Raises:
         TypeError: not a peft model.
@@ -114,22 +122,60 @@ def save_adapter(model: nn.Module, path: Path) -> Path:
     if not hasattr(model, "peft_config"):
         raise TypeError(f"expected a peft model with an adapter, got {type(model).__name__}")
     _check_finite(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    target = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    link = path.parent / f".{path.name}.link-{target.name}"
-    previous = path.resolve() if path.is_symlink() else None
+    fresh = _new_folder_beside(path)
     try:
-        model.save_pretrained(str(target))
-        os.symlink(target.name, link)
-        if path.exists() and not path.is_symlink():  # a real folder from an older version: set it aside first
-            aside = path.parent / f".{path.name}-replaced-{target.name}"
-            os.replace(path, aside)
-            previous = aside
-        os.replace(link, path)
+        model.save_pretrained(str(fresh))
+        file_mode = stat.S_IMODE(fresh.stat().st_mode) & 0o666  # a new folder's permissions are the umask's
+        for written in fresh.rglob("*"):
+            if written.is_file():
+                written.chmod(file_mode)  # safetensors writes its files 0o600
+        replace_folder(fresh, path)
     except BaseException:
-        shutil.rmtree(target, ignore_errors=True)
-        link.unlink(missing_ok=True)
+        shutil.rmtree(fresh, ignore_errors=True)
         raise
-    if previous is not None and previous != target:
-        shutil.rmtree(previous, ignore_errors=True)
     return path
+
+
+def _new_folder_beside(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fresh = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fresh.mkdir()  # 0o777 less the umask, where tempfile.mkdtemp would give 0o700
+        except FileExistsError:
+            continue
+        return fresh
+
+
+def replace_folder(fresh: Path, path: Path) -> None:
+    """Move the complete folder ``fresh`` to ``path`` (a sibling), replacing what ``path`` holds.
+
+    A rename cannot replace a folder that has files (POSIX ``rename`` fails with ``ENOTEMPTY``, and the
+    swap that can, Linux's ``renameat2(RENAME_EXCHANGE)``, is not portable), so this takes three steps:
+    the previous folder is renamed aside, ``fresh`` is renamed in, and then the previous one is removed.
+    In that order ``path`` is never a partly written or partly removed folder: it holds the previous
+    adapter or the new one, and is missing only between the two renames, while both complete folders
+    are on disk beside it. Removing the previous folder first would leave a half-deleted one at
+    ``path`` if interrupted. If the second rename fails, the previous folder is renamed back.
+    A symbolic link at ``path`` (the adapter folders of 0.9) is replaced the same way, and the hidden
+    folder beside it that it points to is removed.
+    """
+    if not os.path.lexists(path):
+        os.rename(fresh, path)
+        return
+    aside = path.parent / f".{path.name}.{secrets.token_hex(4)}.old"
+    os.rename(path, aside)  # moves a link itself, not its target
+    try:
+        os.rename(fresh, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    if aside.is_symlink():
+        target = (path.parent / os.readlink(aside)).resolve()
+        aside.unlink()
+        if target.parent == path.parent.resolve() and target.name.startswith(f".{path.name}-"):
+            shutil.rmtree(target, ignore_errors=True)
+    elif aside.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink()

@@ -7,7 +7,6 @@ the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logg
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import signal
@@ -20,13 +19,14 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_method, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
+from lcsb_lightning.process_memory import RunMemory
 from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
 from lcsb_lightning.recipes.best_adapter import BestAdapter
@@ -39,7 +39,6 @@ from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
 from lcsb_lightning.recipes.progress import HeapTrim, LCSBProgressBar, StepTimer, final_table
-from lcsb_lightning.recipes.run_memory import RunMemory
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
 log = logging.getLogger(__name__)
@@ -102,17 +101,15 @@ def uses_mebp(cfg: DictConfig) -> bool:
 
 
 def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
-    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model factory reads weights
-    tensor by tensor (it takes ``mebp``: the packaged ``smollm2_135m`` and ``from_pretrained``), so the
-    model is built compressed from its file and the float model never exists; else ``{}`` (the plugin
-    compresses the loaded float model at fit start)."""
-    if not uses_mebp(cfg):
+    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model node has a ``mebp`` key (its
+    factory reads weights tensor by tensor: the packaged ``smollm2_135m`` and ``hf``), so the model is built
+    compressed from its file and the float model never exists; else ``{}`` (the plugin compresses the loaded
+    float model at fit start)."""
+    if not uses_mebp(cfg) or "mebp" not in cfg.model:
         return {}
     from lcsb_lightning.mebp import MeBPConfig
 
-    config = MeBPConfig.from_node(OmegaConf.to_container(cfg.mebp, resolve=True))
-    target = get_method(str(cfg.model._target_))
-    return {"mebp": config} if "mebp" in inspect.signature(target).parameters else {}
+    return {"mebp": MeBPConfig.from_node(OmegaConf.to_container(cfg.mebp, resolve=True))}
 
 
 def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
