@@ -33,7 +33,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lcsb_lightning.rank_zero import rank_zero_warn
 
 #: Growth of the resident set since the last trim that triggers the next one.
 RELEASE_THRESHOLD_BYTES = 16 << 20
