@@ -19,6 +19,8 @@ MODULES = [
     "lcsb_lightning.forward_wrap",
     "lcsb_lightning.recipes.config",
     "lcsb_lightning.validation",
+    "lcsb_lightning.heap_trim",
+    "lcsb_lightning.recompute",
 ]
 
 
