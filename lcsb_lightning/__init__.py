@@ -18,6 +18,7 @@ _LAZY = {
     "LCSBCallback": "lcsb_lightning.callback",
     "LCSBController": "lcsb_lightning.controller",
     "DivergenceGuard": "lcsb_lightning.guard",
+    "HeapTrim": "lcsb_lightning.heap_trim",
     "ProgressiveFreezing": "lcsb_lightning.freezing",
     "FrozenPrefix": "lcsb_lightning.prefix_cache",
     "SelectionPolicy": "lcsb_lightning.policies",

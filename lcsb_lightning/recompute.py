@@ -10,8 +10,9 @@ blocks below the top ``keep_top`` in backward. The gradients are the same; the a
 those of ``keep_top`` blocks, plus one hidden state per block below.
 
 On the CPU each block also returns the heap that the block before it freed to the OS
-(``release_heap``; glibc only), as QuantizedMeBP does for a compressed model; the lowest block starts
-each forward pass's count of trims, as there.
+(``release_heap``; glibc only), through the same wrapper as QuantizedMeBP's and the same trims
+(:mod:`~lcsb_lightning.mebp._internal.heap`); the lowest block starts each forward pass of them, as there.
+Between the steps :class:`~lcsb_lightning.heap_trim.HeapTrim` trims, for float and compressed models alike.
 """
 
 from __future__ import annotations
@@ -71,6 +72,6 @@ def recompute_lower_blocks(
         )
     lower = max(0, len(found) - keep_top) if keep_top is not None else 0
     for index, block in enumerate(found):
-        wrapper = BlockCheckpoint(block, checkpoint_blocks=index < lower, release_heap=release_heap, starts_step=index == 0)
+        wrapper = BlockCheckpoint(block, checkpoint_blocks=index < lower, release_heap=release_heap, starts_pass=index == 0)
         install_wrapper(block, wrapper)
     return found[:lower]

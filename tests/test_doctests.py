@@ -21,6 +21,8 @@ MODULES = [
     "lcsb_lightning.validation",
     "lcsb_lightning.process_memory",
     "lcsb_lightning.peft_without_bnb",
+    "lcsb_lightning.heap_trim",
+    "lcsb_lightning.recompute",
 ]
 
 

@@ -118,8 +118,8 @@ def test_release_heap_trims_around_every_block_and_before_every_recompute(monkey
     from lcsb_lightning.mebp._internal import checkpoint as checkpoint_module
 
     calls: list[int] = []
-    monkeypatch.setattr(checkpoint_module, "maybe_release_free_heap", lambda: calls.append(1))
-    monkeypatch.setattr(checkpoint_module, "release_before_recompute", lambda: calls.append(1))
+    monkeypatch.setattr(checkpoint_module, "trim_heap_if_grown", lambda: calls.append(1))
+    monkeypatch.setattr(checkpoint_module, "trim_heap_before_backward", lambda: calls.append(1))
     base = add_lora(tiny_llama(num_layers=3))
     released = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=True)
     plain = apply_mebp(copy.deepcopy(base), fmt="int4", group_size=32, checkpoint=checkpoint, release_heap=False)
@@ -136,11 +136,12 @@ def test_the_heap_is_trimmed_only_after_the_resident_set_grew_by_the_threshold()
     from lcsb_lightning.mebp._internal import heap
 
     assert heap.heap_release_supported()
-    heap.release_free_heap()
-    assert not heap.maybe_release_free_heap(threshold=1 << 40)
+    heap.trim_heap()
+    heap.start_forward_pass()
+    assert not heap.trim_heap_if_grown(threshold=1 << 40)
     grown = torch.ones(32 << 20, dtype=torch.uint8)  # 32 MiB, touched: resident
-    assert heap.maybe_release_free_heap(threshold=16 << 20)
-    assert not heap.maybe_release_free_heap(threshold=16 << 20)  # nothing grew since
+    assert heap.trim_heap_if_grown(threshold=16 << 20)
+    assert not heap.trim_heap_if_grown(threshold=16 << 20)  # nothing grew since
     del grown
 
 

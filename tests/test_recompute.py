@@ -107,21 +107,19 @@ def test_the_recipe_recomputes_the_blocks_below_keep_activations(keep_activation
 
 def test_every_forward_pass_trims_again_after_the_per_step_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without QuantizedMeBP nobody starts a step's count of trims: a float run stopped trimming inside its steps
-    # once MAX_TRIMS_PER_STEP trims were spent (the main job's peaks grew from 1.1 to 1.4 GB over 80 steps).
+    # once the per-step cap of trims was spent (the main job's peaks grew from 1.1 to 1.4 GB over 80 steps).
     from lcsb_lightning.mebp._internal import heap
 
     if not heap.heap_release_supported():
         pytest.skip("glibc's malloc_trim is needed")
-    trims: list[int] = []
     monkeypatch.setattr(heap, "RELEASE_THRESHOLD_BYTES", 0)
-    monkeypatch.setattr(heap, "MAX_TRIMS_PER_STEP", 3)
-    monkeypatch.setattr(heap, "release_free_heap", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "MAX_TRIMS_PER_PASS", 3)
     model = tiny_llama_peft(num_layers=4)
     recompute_lower_blocks(model, keep_top=2)
     tokens = torch.randint(0, 64, (2, 16))
     per_pass = []
     for _ in range(4):
-        before = len(trims)
+        before = heap.trim_count()
         model(input_ids=tokens, labels=tokens).loss.backward()
-        per_pass.append(len(trims) - before)
+        per_pass.append(heap.trim_count() - before)
     assert per_pass == [3, 3, 3, 3]

@@ -127,9 +127,9 @@ class StepWindows:
             self._open["peak_anon"] = peak
             self.windows.append(self._open)
         if self.trim:  # the breakdown's step: no allocator slack carried into the window
-            from lcsb_lightning.mebp._internal.heap import release_free_heap
+            from lcsb_lightning.mebp._internal.heap import trim_heap
 
-            release_free_heap()
+            trim_heap()
             _, now = self.sampler.mark()
         self._open = {"window": name, "start_anon": now, "owners": self.census()}
 

@@ -63,7 +63,7 @@ class MeBPConfig:
         release_heap: On CPU, return freed heap memory to the OS before and after each block's forward
             and before its recompute, once the resident set grew by 16 MiB since the last time (before the
             step's first recompute whatever the growth), at most
-            ``heap.MAX_TRIMS_PER_STEP`` times per forward pass (glibc ``malloc_trim``; a no-op with
+            ``heap.MAX_TRIMS_PER_PASS`` times per forward pass (glibc ``malloc_trim``; a no-op with
             another allocator): the resident set stays flat instead of growing from step to step, for
             page faults that lengthen the step (docs/mebp.md).
         map_large_allocations: Off by default: it changes malloc for the **whole process, for good**.

@@ -28,7 +28,7 @@ from lcsb_lightning.mebp.config import MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
 from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into, select_rows, stored_format
 from lcsb_lightning.mebp._internal.gguf_blocks import BLOCK
-from lcsb_lightning.mebp._internal.heap import map_large_allocations, release_free_heap
+from lcsb_lightning.mebp._internal.heap import map_large_allocations, trim_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
@@ -192,7 +192,7 @@ def load_float(
     model = _meta_model(model_config, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     _load_float_params(model, _weight_source(model, model_config, kind, path, reader, seed), names, dtype)
-    release_free_heap()
+    trim_heap()
     return model
 
 
@@ -270,5 +270,5 @@ def load_compressed(
         compressed[target_name] = new
     _load_float_params(model, weight_source, names, dtype)
     del weight_source, reader, shared
-    release_free_heap()  # the float row chunks were freed; do not keep their pages resident
+    trim_heap()  # the float row chunks were freed; do not keep their pages resident
     return finish_conversion(model, find_blocks(model), compressed, config, store)

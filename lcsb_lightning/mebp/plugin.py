@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lcsb_lightning.mebp._internal.heap import trims_this_step
+from lcsb_lightning.mebp._internal.heap import trim_count
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_for_training
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
@@ -71,8 +71,9 @@ class QuantizedMeBP(Precision):
 
     Per optimizer step it logs ``mebp/decompress_fwd_ms``, ``mebp/decompress_bwd_ms`` (including the
     recompute's decompressions), ``mebp/recompute_ms``, ``mebp/backward_ms`` and
-    ``mebp/decompress_share_bwd`` to the Trainer's loggers every ``log_every_n_steps``; the latest
-    values are in :attr:`last_metrics`.
+    ``mebp/decompress_share_bwd`` and ``mebp/heap_trims`` (the heap trims since the previous optimizer step,
+    :class:`~lcsb_lightning.heap_trim.HeapTrim`'s included) to the Trainer's loggers every
+    ``log_every_n_steps``; the latest values are in :attr:`last_metrics`.
 
     Args:
         config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without
@@ -107,6 +108,7 @@ class QuantizedMeBP(Precision):
         self._module: nn.Module | None = None
         self._stats = MeBPStats()
         self.last_metrics: dict[str, float] = {}
+        self._trims_at_last_step = trim_count()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Compress ``module`` in place (a no-op on a model already converted or loaded compressed)."""
@@ -119,6 +121,7 @@ class QuantizedMeBP(Precision):
         self._stats = state.stats  # looked up once: mebp_state may walk every module
         self._stats.sync_timing = self.config.sync_timing
         self._stats.reset()
+        self._trims_at_last_step = trim_count()
         return module
 
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
@@ -170,7 +173,9 @@ class QuantizedMeBP(Precision):
             # Lightning zeroes the gradients between the next forward and its backward; freed now, they
             # are not held through that forward, where the peak of a step with few trainable blocks is.
             optimizer.zero_grad(set_to_none=True)
-        self.last_metrics = {**self.stats.as_dict(), "mebp/heap_trims": float(trims_this_step())}
+        trims = trim_count()
+        self.last_metrics = {**self.stats.as_dict(), "mebp/heap_trims": float(trims - self._trims_at_last_step)}
+        self._trims_at_last_step = trims
         self.stats.reset()
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lcsb_lightning.mebp._internal.heap import release_free_heap
+from lcsb_lightning.mebp._internal.heap import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def cache_gguf_files(gguf: Path, target: Path) -> Path:
             os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        release_free_heap()  # the metadata parse's transient objects: do not keep their pages for the run
+        trim_heap()  # the metadata parse's transient objects: do not keep their pages for the run
     return target
 
 

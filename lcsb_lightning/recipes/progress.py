@@ -92,23 +92,3 @@ def final_table(summary: dict[str, Any], loss_curve: Path | None) -> str:
         lines.append(f"{'loss curve':<{width}}  {loss_curve}")
     return "\n".join(lines)
 
-
-class HeapTrim(Callback):
-    """Returns freed heap memory to the OS after every training batch and around every evaluation
-    (glibc's ``malloc_trim``; a no-op elsewhere).
-
-    glibc keeps the pages a step frees for reuse, and with several threads allocating they pile up step
-    after step: the float main job's anonymous memory grew by 300 MB a step in its first steps without
-    trims. Inside a step the blocks' own wrappers trim (``QuantizedMeBP(release_heap=True)`` for a
-    compressed model, :func:`~lcsb_lightning.recompute.recompute_lower_blocks` for a float one). Nothing
-    else changes: no allocator setting, no tensor.
-    """
-
-    def _trim(self, *_: Any) -> None:
-        from lcsb_lightning.mebp._internal.heap import release_free_heap
-
-        release_free_heap()
-
-    on_train_batch_end = _trim
-    on_validation_start = _trim
-    on_validation_end = _trim

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from lcsb_lightning.guard import DivergenceGuard
+from lcsb_lightning.heap_trim import HeapTrim
 from lcsb_lightning.process_memory import RunMemory
 from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
@@ -38,7 +39,7 @@ from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
 from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
-from lcsb_lightning.recipes.progress import HeapTrim, LCSBProgressBar, StepTimer, final_table
+from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lcsb_lightning.forward_wrap import get_wrapper, install_wrapper
-from lcsb_lightning.mebp._internal.heap import maybe_release_free_heap, release_before_recompute, start_step
+from lcsb_lightning.mebp._internal.heap import start_forward_pass, trim_heap_before_backward, trim_heap_if_grown
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpoint_scope
 from lcsb_lightning.prefix_cache import is_frozen
 from lcsb_lightning.selective import cuts
@@ -45,10 +45,10 @@ class BlockCheckpoint:
             back-propagated block's forward: with checkpointing it receives the block's checkpoint
             inputs, without it every activation the block saves.
         stats: Receives the recompute timings (none recorded without it).
-        release_heap: On CPU, return freed heap memory to the OS before and after the block runs with
-            gradients and before its recompute (:mod:`~lcsb_lightning.mebp._internal.heap`).
-        starts_step: This block runs first in every forward pass (with or without gradients, also where
-            LCSB cuts it): each call starts a new count of the step's trims (``heap.start_step``).
+        release_heap: On CPU, trim the heap before and after the block runs with gradients
+            (``heap.trim_heap_if_grown``) and before its recompute (``heap.trim_heap_before_backward``).
+        starts_pass: This block runs first in every forward pass (with or without gradients, also where
+            LCSB cuts it): each call starts a forward pass of the trims (``heap.start_forward_pass``).
     """
 
     name = CHECKPOINT_WRAPPER
@@ -61,28 +61,28 @@ class BlockCheckpoint:
         saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
         stats: MeBPStats | None = None,
         release_heap: bool = True,
-        starts_step: bool = False,
+        starts_pass: bool = False,
     ) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
         self.stats = stats
         self.release_heap = release_heap
-        self.starts_step = starts_step
+        self.starts_pass = starts_pass
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.starts_step:
-            start_step()
+        if self.starts_pass:
+            start_forward_pass()
         device = _first_device(args, kwargs)
         release = self.release_heap and torch.is_grad_enabled() and device.type == "cpu"
         if release:
-            maybe_release_free_heap()
+            trim_heap_if_grown()
         output = self._run(inner, device, *args, **kwargs)
         if release:
             # What the block freed leaves before the next one runs (which trims again only after more
             # growth) and, after the last block, before the loss: its window holds the previous step's
             # gradients, which Lightning zeroes only after training_step.
-            maybe_release_free_heap()
+            trim_heap_if_grown()
         return output
 
     def _run(self, inner: Callable[..., Any], device: torch.device, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +115,7 @@ class _Recompute:
             with checkpoint_scope(recompute=False):
                 return self.inner(*args, **kwargs)
         if self.release_heap and self.device.type == "cpu":
-            release_before_recompute()
+            trim_heap_before_backward()
         timer = self.stats.time_recompute(self.device) if self.stats is not None else contextlib.nullcontext()
         with checkpoint_scope(recompute=True), timer:
             return self.inner(*args, **kwargs)
@@ -129,7 +129,7 @@ def install_block_wrappers(
     release_heap: bool = True,
 ) -> None:
     """Install a :class:`BlockCheckpoint` on each block (reporting recompute times to ``stats``); the lowest
-    starts each forward pass's count of heap trims.
+    starts each forward pass of the heap trims.
 
     Example::
 
@@ -141,4 +141,4 @@ def install_block_wrappers(
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block checkpoint wrapper installed.")
     for index, block in enumerate(blocks):
         install_wrapper(block, BlockCheckpoint(block, checkpoint_blocks, saved_tensors_context, stats, release_heap,
-                                               starts_step=index == 0))
+                                               starts_pass=index == 0))

@@ -1,14 +1,21 @@
-"""Give freed heap memory back to the OS (glibc's ``malloc_trim``; a no-op with other allocators).
+"""Give freed heap memory back to the OS (glibc's ``malloc_trim``; a no-op with other allocators): the one owner
+of heap trimming, for compressed and float models alike.
 
 glibc keeps freed memory in its heaps for reuse. A training step allocates its activations,
 gradients and temporaries among longer-lived tensors, so the freed pages stay resident: with the
 allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB to over 2 GB in four
-steps. ``QuantizedMeBP(release_heap=True)`` calls :func:`maybe_release_free_heap` before and after
-each checkpointed block's forward and before its backward recompute. It trims only once the resident set has
-grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim (and before the step's first recompute, whatever
-the growth: :func:`release_before_recompute`), which keeps the RSS flat without
-re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_STEP` times per forward
-pass, a training step's (:func:`start_step`, which the lowest block calls). The state is per process, as the heap is.
+steps. Every trim of the library goes through this module, under its lock, counted (:func:`trim_count`), and
+sets the baseline that the next growth is measured from. Three calls, one per kind of moment:
+
+* :func:`trim_heap`: now, whatever the growth; at fixed points outside the blocks (after loading, after each
+  training batch and around evaluations: :class:`~lcsb_lightning.heap_trim.HeapTrim`).
+* :func:`trim_heap_if_grown`: before and after each block's forward with gradients (the per-block wrapper that
+  ``QuantizedMeBP(release_heap=True)`` and :func:`~lcsb_lightning.recompute.recompute_lower_blocks` install),
+  once the resident set has grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim, which keeps the RSS
+  flat without re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_PASS` times per
+  forward pass (:func:`start_forward_pass`, which the lowest block's wrapper calls).
+* :func:`trim_heap_before_backward`: before each backward recompute; the pass's first one trims whatever the
+  growth, so what the forward and the loss freed leaves before the backward's peak.
 
 glibc also serves an allocation above its mmap threshold from pages of its own, returned to the OS
 when freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so
@@ -33,13 +40,13 @@ import os
 import threading
 from typing import Any, Callable
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lcsb_lightning.rank_zero import rank_zero_warn
 
 #: Growth of the resident set since the last trim that triggers the next one.
 RELEASE_THRESHOLD_BYTES = 16 << 20
-#: Most trims per training step, a backstop behind the growth threshold (the 0.5B shape trims 49 times:
-#: before each of its 24 blocks and recomputes, and before the loss).
-MAX_TRIMS_PER_STEP = 128
+#: Most growth-gated trims per forward pass, a backstop behind the growth threshold (the 0.5B shape trims 49
+#: times a step: before each of its 24 blocks and recomputes, and before the loss).
+MAX_TRIMS_PER_PASS = 128
 #: Allocations at least this large get pages of their own, returned to the OS when freed.
 MMAP_THRESHOLD_BYTES = 256 << 10
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -47,7 +54,8 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _lock = threading.Lock()
 _rss_after_last_trim = 0
-_trims_this_step = 0
+_trims = 0  # every trim since the process started
+_gated_trims_this_pass = 0
 _backward_trimmed = False
 
 
@@ -112,53 +120,60 @@ def resident_bytes() -> int | None:
         return None
 
 
-def release_free_heap() -> None:
-    """Return the free pages of every malloc arena to the OS now; a no-op without glibc."""
-    global _rss_after_last_trim
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-        _rss_after_last_trim = resident_bytes() or 0
+def trim_count() -> int:
+    """How many trims this process made (all three calls); a step's trims are the difference over it."""
+    return _trims
 
 
-def start_step() -> None:
-    """Start a forward pass's count of trims (the lowest block's ``BlockCheckpoint`` calls it at each call)."""
-    global _trims_this_step, _backward_trimmed
-    _trims_this_step = 0
-    _backward_trimmed = False
+def _trim_locked() -> None:
+    global _rss_after_last_trim, _trims
+    _malloc_trim()(0)  # type: ignore[misc]
+    _rss_after_last_trim = resident_bytes() or 0
+    _trims += 1
 
 
-def release_before_recompute() -> bool:
-    """:func:`maybe_release_free_heap` before a backward recompute, the step's first one whatever the growth;
-    returns whether it trimmed. What the forward and the loss freed then leaves before the backward's peak:
-    under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of it stayed, depending on how many
-    fresh pages the loss happened to touch."""
-    global _backward_trimmed
-    with _lock:
-        first, _backward_trimmed = not _backward_trimmed, True
-    return maybe_release_free_heap(threshold=0 if first else None)
-
-
-def trims_this_step() -> int:
-    """How many times :func:`maybe_release_free_heap` trimmed since :func:`start_step`."""
-    return _trims_this_step
-
-
-def maybe_release_free_heap(threshold: int | None = None, max_trims: int | None = None) -> bool:
-    """:func:`release_free_heap` if the resident set grew by ``threshold`` bytes since the last trim
-    (always, where the resident set cannot be read) and this step trimmed fewer than ``max_trims``
-    times (defaults: :data:`RELEASE_THRESHOLD_BYTES`, :data:`MAX_TRIMS_PER_STEP`); returns whether it trimmed."""
-    global _trims_this_step
-    threshold = RELEASE_THRESHOLD_BYTES if threshold is None else threshold
-    max_trims = MAX_TRIMS_PER_STEP if max_trims is None else max_trims
+def trim_heap() -> bool:
+    """Return the free pages of every malloc arena to the OS now; whether it could (glibc only)."""
     if _malloc_trim() is None:
         return False
     with _lock:
-        if _trims_this_step >= max_trims:
+        _trim_locked()
+    return True
+
+
+def start_forward_pass() -> None:
+    """Start a forward pass: its cap on growth-gated trims, and its first recompute's trim (the lowest block's
+    wrapper calls it at each call, with or without gradients, also where LCSB cuts the block)."""
+    global _gated_trims_this_pass, _backward_trimmed
+    with _lock:
+        _gated_trims_this_pass, _backward_trimmed = 0, False
+
+
+def trim_heap_if_grown(threshold: int | None = None) -> bool:
+    """Trim if the resident set grew by ``threshold`` bytes (default :data:`RELEASE_THRESHOLD_BYTES`) since the
+    last trim (always, where the resident set cannot be read) and this forward pass trimmed fewer than
+    :data:`MAX_TRIMS_PER_PASS` times; returns whether it trimmed."""
+    global _gated_trims_this_pass
+    threshold = RELEASE_THRESHOLD_BYTES if threshold is None else threshold
+    if _malloc_trim() is None:
+        return False
+    with _lock:
+        if _gated_trims_this_pass >= MAX_TRIMS_PER_PASS:
             return False
         rss = resident_bytes()
         if rss is not None and rss - _rss_after_last_trim < threshold:
             return False
-        release_free_heap()
-        _trims_this_step += 1
+        _trim_locked()
+        _gated_trims_this_pass += 1
         return True
+
+
+def trim_heap_before_backward() -> bool:
+    """:func:`trim_heap_if_grown` before a backward recompute, the pass's first one whatever the growth;
+    returns whether it trimmed. Under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of what
+    the forward and the loss freed stayed through the backward's peak, depending on how many fresh pages the
+    loss happened to touch."""
+    global _backward_trimmed
+    with _lock:
+        first, _backward_trimmed = not _backward_trimmed, True
+    return trim_heap_if_grown(threshold=0 if first else None)

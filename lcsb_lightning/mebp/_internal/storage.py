@@ -35,9 +35,9 @@ import weakref
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lcsb_lightning.mebp._internal.formats import Packed
+from lcsb_lightning.rank_zero import rank_zero_info
 
 _MADV_DONTNEED = 4  # the same value on Linux and macOS
 
