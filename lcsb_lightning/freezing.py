@@ -59,9 +59,9 @@ class ProgressiveFreezing(FitScopedCallback):
     freeze pays the frozen blocks' forward and no backward, the later ones pay neither.
 
     It works alone (full backprop above the frozen blocks) and beside :class:`~lcsb_lightning.LCSBCallback`
-    (selective backprop above them; with ``backward="selected_only"`` or ``"identity"`` the policy's selection is
-    spread over the blocks above the frozen ones, which would otherwise train nothing). Frozen parameters get no update of any kind, whatever LCSB's
-    ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
+    (selective backprop above them: its policy selects over the blocks that still train, re-bound at each freeze,
+    :meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`). Frozen parameters get no update of any kind, whatever
+    LCSB's ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
     unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
     An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
 

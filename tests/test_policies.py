@@ -141,6 +141,10 @@ RESUMES: dict[str, Resume] = {
     "top_only-of-0.7": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=2),
                         None, True, None),
     "full-switch_every": (lambda: FullPolicy(switch_every=4), lambda: FullPolicy(), None, True, None),
+    # a round of 4 steps: the saved round 5 would be "back in time" at step 6; the round is chosen anew
+    "full-switch_every-longer": (lambda: FullPolicy(), lambda: FullPolicy(switch_every=4), None, True, None),
+    "top_only-switch_every-longer": (lambda: TopOnlyPolicy(layers_per_step=2),
+                                     lambda: TopOnlyPolicy(layers_per_step=2, switch_every=4), None, True, None),
     "top_only-k": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=3),
                    r"saved with k=2 continues under k=3", False, None),
     "dyadic-of-0.7": (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(levels=4),
