@@ -123,7 +123,7 @@ class LCSBController:
         for index, params in enumerate(self.block_params.params_per_block):
             if not params or any(p.requires_grad for p in params):
                 return index
-        return 0  # every block frozen: nothing to map onto (ProgressiveFreezing refuses such a schedule)
+        return 0  # every block frozen: nothing to select over (ProgressiveFreezing refuses such a schedule)
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Read the selected blocks' gradient norms (once per step; returned, else ``None``), then give the

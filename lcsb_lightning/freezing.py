@@ -156,7 +156,11 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix = FrozenPrefix(found, max_bytes=max_bytes, dtype=_DTYPES.get(self.cache_dtype or ""))
         rank_zero_info(f"ProgressiveFreezing: {dict(zip(self.schedule, counts))} of {len(found)} blocks frozen by "
                        f"epoch, cache={'on' if self.cache else 'off'}.")
-        if self.frozen:  # restored from a checkpoint: Lightning skips on_train_epoch_start when it resumes mid-epoch
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Restored from a checkpoint: Lightning skips on_train_epoch_start when it resumes mid-epoch. Not in
+        # on_fit_start: a callback after this one (LCSBCallback) maps the trainable parameters there.
+        if self.frozen:
             self._freeze(pl_module, self.frozen)
 
     def _release(self) -> None:

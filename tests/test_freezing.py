@@ -603,3 +603,30 @@ def test_grad_norms_staleness_bound_holds_for_every_block_that_trains(residual_n
         for start, end in zip(times, times[1:]):
             assert end - start <= bounds[start + 1], (block, start, end)
     assert lcsb.policy.staleness_bound == bound(4)
+
+
+@pytest.mark.parametrize("freezing_first", [False, True], ids=["lcsb-first", "freezing-first"])
+def test_a_run_resumed_in_a_frozen_epoch_selects_as_the_uninterrupted_one(residual_net, tmp_path: Any,
+                                                                          freezing_first: bool) -> None:
+    """Resumed mid-epoch from step 6 (2 of 4 blocks frozen from epoch 1), in either order of the callbacks: a
+    freeze restored before LCSB maps the model's trainable parameters must not hide the frozen blocks from it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps: int, **kwargs: Any) -> list[tuple[int, ...]]:
+        lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="identity", log_every_n_steps=0)
+        selections: list[tuple[int, ...]] = []
+
+        class Record(Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                selections.append(lcsb.selection)
+
+        pair = [ProgressiveFreezing({1: FROZEN}), lcsb]
+        callbacks = [*(pair[::-1] if not freezing_first else pair), Record(),
+                     ModelCheckpoint(dirpath=tmp_path, filename="step6", every_n_train_steps=6, save_top_k=-1)]
+        trainer = quiet_trainer(max_steps=steps, callbacks=callbacks, enable_checkpointing=True)
+        trainer.fit(TokenLM(residual_net(num_blocks=NUM_BLOCKS)), token_batches(num_batches=4), **kwargs)
+        return selections
+
+    expected = fit(10)
+    resumed = fit(10, ckpt_path=str(tmp_path / "step6.ckpt"))
+    assert resumed == expected[6:]
