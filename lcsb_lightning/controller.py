@@ -36,6 +36,10 @@ class LCSBController:
     exact zero gradient in backward, so every parameter gets a gradient at every step (plain DDP works)
     and the optimizer's param groups stay as ``configure_optimizers`` built them.
 
+    The policy selects over the blocks that train: when the lowest blocks stop training (their trainable
+    parameters get ``requires_grad=False``, as ``ProgressiveFreezing`` does), it is re-bound over the blocks above
+    them (:meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`) at the next step.
+
     Example::
 
         >>> from torch import nn
@@ -61,6 +65,7 @@ class LCSBController:
         self.policy, self.backward, self.unreached = policy, backward, unreached
         self.block_params: BlockParams = map_trainable_params(model, blocks)
         policy.setup(self.block_params.num_blocks)
+        self.trained_from = 0  # the policy's block 0 is this one: the blocks below are frozen
         self.selection: tuple[int, ...] = ()
         self.selection_counts = [0] * self.block_params.num_blocks
         self._hooks: list[Any] = []
@@ -93,13 +98,8 @@ class LCSBController:
         """Select the blocks of optimizer step ``step``; returns the new selection, ``None`` if unchanged."""
         if step == self.selected_at_step:
             return None
-        selection = self.policy.select(step)
-        if self.backward != "all_reached" and (frozen := self._frozen_prefix()):
-            # The policy's blocks spread over the ones that train (ProgressiveFreezing froze the lowest): a
-            # frozen block runs without a graph, so selecting only frozen ones would train nothing (identity:
-            # no graph at all). all_reached needs no mapping: its backward reaches the blocks above anyway.
-            trained = self.num_blocks - frozen
-            selection = tuple(dict.fromkeys(frozen + i * trained // self.num_blocks for i in selection))
+        self._train_from(self._frozen_prefix())
+        selection = tuple(self.trained_from + i for i in self.policy.select(step))
         if self.backward == "all_reached" and selection:
             # The exact backward runs from the top down to the lowest selected block anyway; every block
             # it passes gets its exact gradient almost for free (LoRA weight gradients are rank-r).
@@ -111,12 +111,19 @@ class LCSBController:
         self.selection, self.selected_at_step, self._unobserved = selection, step, None
         return selection
 
+    def _train_from(self, block: int) -> None:
+        """Bind the policy over the blocks from ``block`` on. A frozen block runs without a graph: selected, it
+        would train nothing (with the identity path, no block would have a graph)."""
+        if block != self.trained_from:
+            self.policy.rebind(self.num_blocks - block)
+            self.trained_from = block
+
     def _frozen_prefix(self) -> int:
         """How many of the lowest blocks have trainable parameters that all have ``requires_grad=False``."""
         for index, params in enumerate(self.block_params.params_per_block):
             if not params or any(p.requires_grad for p in params):
                 return index
-        return 0  # every block frozen: nothing to map onto (ProgressiveFreezing refuses such a schedule)
+        return 0  # every block frozen: nothing to select over (ProgressiveFreezing refuses such a schedule)
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Read the selected blocks' gradient norms (once per step; returned, else ``None``), then give the
@@ -129,7 +136,8 @@ class LCSBController:
         if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
             self.observed_at_step = self.selected_at_step
             values = grad_norms([self.block_params.params_per_block[i] for i in self.selection])
-            norms = self._unobserved = dict(zip(self.selection, values))
+            norms = dict(zip(self.selection, values))
+            self._unobserved = {i - self.trained_from: norm for i, norm in norms.items()}
         if id(optimizer) not in self._watched:
             self._watched.add(id(optimizer))
             self._hooks.append(optimizer.register_step_post_hook(self._observe))
@@ -188,9 +196,11 @@ class LCSBController:
             "selected_at_step": self.selected_at_step,
             "observed_at_step": self.observed_at_step,
             "selection_counts": list(self.selection_counts),
+            "trained_from": self.trained_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._train_from(int(state.get("trained_from", 0)))  # 0.9.3 and older bound the policy to every block
         self.policy.load_state_dict(state["policy"])
         self.selection = tuple(state["selection"])
         self.selected_at_step = int(state["selected_at_step"])

@@ -59,9 +59,9 @@ class ProgressiveFreezing(FitScopedCallback):
     freeze pays the frozen blocks' forward and no backward, the later ones pay neither.
 
     It works alone (full backprop above the frozen blocks) and beside :class:`~lcsb_lightning.LCSBCallback`
-    (selective backprop above them; with ``backward="selected_only"`` or ``"identity"`` the policy's selection is
-    spread over the blocks above the frozen ones, which would otherwise train nothing). Frozen parameters get no update of any kind, whatever LCSB's
-    ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
+    (selective backprop above them: its policy selects over the blocks that still train, re-bound at each freeze,
+    :meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`). Frozen parameters get no update of any kind, whatever
+    LCSB's ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
     unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
     An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
 
@@ -156,7 +156,11 @@ class ProgressiveFreezing(FitScopedCallback):
         self.prefix = FrozenPrefix(found, max_bytes=max_bytes, dtype=_DTYPES.get(self.cache_dtype or ""))
         rank_zero_info(f"ProgressiveFreezing: {dict(zip(self.schedule, counts))} of {len(found)} blocks frozen by "
                        f"epoch, cache={'on' if self.cache else 'off'}.")
-        if self.frozen:  # restored from a checkpoint: Lightning skips on_train_epoch_start when it resumes mid-epoch
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Restored from a checkpoint: Lightning skips on_train_epoch_start when it resumes mid-epoch. Not in
+        # on_fit_start: a callback after this one (LCSBCallback) maps the trainable parameters there.
+        if self.frozen:
             self._freeze(pl_module, self.frozen)
 
     def _release(self) -> None:

@@ -12,6 +12,7 @@ MODULES = [
     "lcsb_lightning.selective",
     "lcsb_lightning.controller",
     "lcsb_lightning.selection_image",
+    "lcsb_lightning.policies.base",
     "lcsb_lightning.policies.simple",
     "lcsb_lightning.policies.stochastic",
     "lcsb_lightning.bench.spec",

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lcsb_lightning import LCSBCallback
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.freezing import ProgressiveFreezing
+from lcsb_lightning.policies import GradNormPolicy
 from lcsb_lightning.prefix_cache import FrozenPrefix
 from tests.conftest import TokenLM, quiet_trainer, tiny_llama_peft, token_batches
 
@@ -273,9 +274,9 @@ def test_a_fit_with_the_cache_trains_exactly_as_without_it(lcsb: str | None) -> 
 
 @pytest.mark.parametrize("backward", ["identity", "selected_only"])
 def test_a_selection_of_frozen_blocks_moves_onto_the_blocks_that_train(backward: str) -> None:
-    """The cyclic policy would select a frozen block in 2 steps of 4 (blocks 0 and 1 of 4, frozen from epoch 1):
-    the identity path would then have no graph at all (the backward failed), ``selected_only`` a backward that
-    trains nothing. The policy's selection is spread over the blocks that train: 2, 2, 3, 3 in each epoch."""
+    """The cyclic policy over 4 blocks would select a frozen block in 2 steps of 4 (blocks 0 and 1, frozen from epoch
+    1): the identity path would then have no graph at all (the backward failed), ``selected_only`` a backward that
+    trains nothing. The policy selects over the blocks that train: 2, 3, 2, 3 in each epoch."""
     lcsb = LCSBCallback("cyclic", layers_per_step=1, backward=backward, log_every_n_steps=0)
     _, snaps, metrics = _fit([lcsb, ProgressiveFreezing({1: FROZEN})])
     assert metrics["freeze/frozen_blocks"] == FROZEN
@@ -554,3 +555,78 @@ def test_a_freeze_over_an_active_dropout_stores_nothing(make: Callable[[], nn.Mo
     _two_training_forwards(prefix, model)
     assert prefix.stats.stored_examples == 0 and prefix.stats.hits == 0
     prefix.remove()
+
+
+class _LowestBlockLoudest(GradNormPolicy):
+    """GradNorm under adversarial norms: the lowest block it selects over measures 100, the others 0.01, so they
+    train only when they are overdue."""
+
+    def observe(self, grad_norms: dict[int, float]) -> None:
+        super().observe({i: 100.0 if i == 0 else 0.01 for i in grad_norms})
+
+
+class _Trained(Callback):
+    """Per optimizer step: the blocks that train (selected and not frozen) and how many blocks are frozen."""
+
+    def __init__(self, lcsb: LCSBCallback) -> None:
+        self.lcsb = lcsb
+        self.steps: list[tuple[set[int], int]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        params = self.lcsb.controller.block_params.params_per_block
+        frozen = next(i for i, block in enumerate(params) if any(p.requires_grad for p in block))
+        self.steps.append(({i for i in self.lcsb.selection if i >= frozen}, frozen))
+
+
+@pytest.mark.parametrize("backward", ["selected_only", "identity", "all_reached"])
+def test_grad_norms_staleness_bound_holds_for_every_block_that_trains(residual_net, backward: str) -> None:
+    """100 steps, 2 of 6 blocks frozen from epoch 2 and 4 from epoch 5, adversarial norms: a gap between two
+    trainings of a block is at most the staleness bound of GradNorm over the blocks that train at its start (the
+    bound only shrinks as the freeze grows). Before, the policy chose over all 6 blocks and its choices of frozen
+    blocks were moved onto the others: the top block went 12 steps untrained where the bound over the 4 blocks that
+    trained is 11, and the policy's bound was the one over 6 blocks (17)."""
+    blocks, steps = 6, 100
+    lcsb = LCSBCallback(_LowestBlockLoudest(layers_per_step=1), backward=backward, log_every_n_steps=0)
+    trained = _Trained(lcsb)
+    trainer = quiet_trainer(max_steps=steps, callbacks=[lcsb, ProgressiveFreezing({2: 2, 5: 4}), trained])
+    trainer.fit(TokenLM(residual_net(num_blocks=blocks)), token_batches(num_batches=10))
+
+    def bound(frozen: int) -> int:
+        policy = GradNormPolicy(layers_per_step=1)
+        policy.setup(blocks - frozen)
+        return policy.staleness_bound
+
+    assert len(trained.steps) == steps and trained.steps[-1][1] == 4
+    bounds = [bound(frozen) for _, frozen in trained.steps] + [bound(4)]  # [t]: over the blocks that train at step t
+    for block in range(4, blocks):  # the blocks that train to the end
+        times = [-1] + [t for t, (chosen, _) in enumerate(trained.steps) if block in chosen] + [steps]
+        for start, end in zip(times, times[1:]):
+            assert end - start <= bounds[start + 1], (block, start, end)
+    assert lcsb.policy.staleness_bound == bound(4)
+
+
+@pytest.mark.parametrize("freezing_first", [False, True], ids=["lcsb-first", "freezing-first"])
+def test_a_run_resumed_in_a_frozen_epoch_selects_as_the_uninterrupted_one(residual_net, tmp_path: Any,
+                                                                          freezing_first: bool) -> None:
+    """Resumed mid-epoch from step 6 (2 of 4 blocks frozen from epoch 1), in either order of the callbacks: a
+    freeze restored before LCSB maps the model's trainable parameters must not hide the frozen blocks from it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps: int, **kwargs: Any) -> list[tuple[int, ...]]:
+        lcsb = LCSBCallback("cyclic", layers_per_step=1, backward="identity", log_every_n_steps=0)
+        selections: list[tuple[int, ...]] = []
+
+        class Record(Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                selections.append(lcsb.selection)
+
+        pair = [ProgressiveFreezing({1: FROZEN}), lcsb]
+        callbacks = [*(pair[::-1] if not freezing_first else pair), Record(),
+                     ModelCheckpoint(dirpath=tmp_path, filename="step6", every_n_train_steps=6, save_top_k=-1)]
+        trainer = quiet_trainer(max_steps=steps, callbacks=callbacks, enable_checkpointing=True)
+        trainer.fit(TokenLM(residual_net(num_blocks=NUM_BLOCKS)), token_batches(num_batches=4), **kwargs)
+        return selections
+
+    expected = fit(10)
+    resumed = fit(10, ckpt_path=str(tmp_path / "step6.ckpt"))
+    assert resumed == expected[6:]

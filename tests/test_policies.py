@@ -141,6 +141,10 @@ RESUMES: dict[str, Resume] = {
     "top_only-of-0.7": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=2),
                         None, True, None),
     "full-switch_every": (lambda: FullPolicy(switch_every=4), lambda: FullPolicy(), None, True, None),
+    # a round of 4 steps: the saved round 5 would be "back in time" at step 6; the round is chosen anew
+    "full-switch_every-longer": (lambda: FullPolicy(), lambda: FullPolicy(switch_every=4), None, True, None),
+    "top_only-switch_every-longer": (lambda: TopOnlyPolicy(layers_per_step=2),
+                                     lambda: TopOnlyPolicy(layers_per_step=2, switch_every=4), None, True, None),
     "top_only-k": (lambda: TopOnlyPolicy(layers_per_step=2), lambda: TopOnlyPolicy(layers_per_step=3),
                    r"saved with k=2 continues under k=3", False, None),
     "dyadic-of-0.7": (lambda: DyadicPolicy(levels=4), lambda: DyadicPolicy(levels=4),
@@ -317,3 +321,29 @@ def test_the_default_is_the_three_level_ruler() -> None:
     assert isinstance(policy, DyadicPolicy) and policy.levels == 3
     assert [len(policy.select(t)) for t in range(4)] == [8, 2, 4, 2]
     assert DyadicPolicy().levels == 3
+
+
+@pytest.mark.parametrize(("num_blocks", "size", "max_staleness", "rebinds"), [
+    (12, {"layers_per_step": 3}, None, {10: 8, 30: 4}),
+    (16, {"fraction": 0.1}, None, {14: 14, 42: 7}),  # k from 2 to 1: the bound grows
+    (30, {"fraction": 0.25}, None, {20: 15, 60: 8}),  # the recipe's freeze=progressive
+    (19, {"layers_per_step": 6}, 1, {2: 18}),  # in the first cycle, with overdue blocks waiting
+])
+def test_grad_norms_staleness_bound_holds_across_rebinds(num_blocks: int, size: dict[str, Any],
+                                                         max_staleness: int | None, rebinds: dict[int, int]) -> None:
+    """Adversarial norms (blocks 5, 9, 10 and 12 of the model loud), the lowest blocks dropped at the given rounds: a
+    gap between two trainings of a block is at most the largest bound in force during it."""
+    policy = GradNormPolicy(**size, max_staleness=max_staleness)
+    policy.setup(num_blocks)
+    first, last, bounds = 0, {b: -1 for b in range(num_blocks)}, []
+    for t in range(120):
+        if t in rebinds:
+            policy.rebind(rebinds[t])
+            first = num_blocks - rebinds[t]
+        bounds.append(policy.staleness_bound)
+        selected = [first + i for i in policy.select(t)]
+        for b in selected:
+            assert t - last[b] <= max(bounds[max(last[b], 0):]), (b, last[b], t)
+            last[b] = t
+        policy.observe({b - first: 100.0 if b in (5, 9, 10, 12) else 0.01 for b in selected})
+    assert all(120 - last[b] <= max(bounds[last[b]:]) for b in range(first, num_blocks))  # the gaps still open

@@ -83,23 +83,59 @@ class SelectionPolicy(ABC):
         """Bind the policy to a model with ``num_blocks`` blocks and resolve ``k``."""
         if num_blocks < 1:
             raise ValueError(f"A policy needs at least one block, got num_blocks={num_blocks}.")
+        if self.layers_per_step is not None and self.layers_per_step > num_blocks:
+            raise ValueError(
+                f"`layers_per_step={self.layers_per_step}` exceeds the model's {num_blocks} blocks; "
+                f"allowed: 1..{num_blocks}."
+            )
+        self._bind(num_blocks)
+        self._round, self._selection = -1, ()
+        self._on_setup()
+
+    def rebind(self, num_blocks: int) -> None:
+        """Select, from now on, over the top ``num_blocks`` of the blocks bound so far: the lowest ones stopped
+        training (``ProgressiveFreezing`` froze them) or, with more, train again below them.
+
+        What the policy learned of the blocks it keeps carries over (block ``i`` becomes ``i - dropped``), ``k`` is
+        at most ``num_blocks`` (a ``fraction`` is of the new count), and a round under way is chosen anew.
+
+        Example::
+
+            >>> from lcsb_lightning.policies import CyclicPolicy
+            >>> policy = CyclicPolicy(layers_per_step=1)
+            >>> policy.setup(num_blocks=4)
+            >>> policy.select(0), policy.select(1)
+            ((0,), (1,))
+            >>> policy.rebind(num_blocks=2)  # the lowest 2 frozen: block 2 of the model is the policy's block 0
+            >>> policy.select(1), policy.select(2)
+            ((1,), (0,))
+        """
+        if self.num_blocks == 0:
+            raise RuntimeError(f"{type(self).__name__}.setup(num_blocks) must be called before rebind().")
+        if num_blocks < 1:
+            raise ValueError(f"A policy needs at least one block, got num_blocks={num_blocks}.")
+        dropped = self.num_blocks - num_blocks
+        if dropped:
+            self._bind(num_blocks)
+            self._selection = ()
+            self._on_rebind(dropped)
+
+    def _bind(self, num_blocks: int) -> None:
         if self.layers_per_step is not None:
-            if self.layers_per_step > num_blocks:
-                raise ValueError(
-                    f"`layers_per_step={self.layers_per_step}` exceeds the model's {num_blocks} blocks; "
-                    f"allowed: 1..{num_blocks}."
-                )
-            k = self.layers_per_step
+            k = min(self.layers_per_step, num_blocks)
         elif self.fraction is not None:
             k = max(1, round(self.fraction * num_blocks))
         else:
             k = num_blocks
         self.num_blocks, self.k = num_blocks, k
-        self._round, self._selection = -1, ()
-        self._on_setup()
 
     def _on_setup(self) -> None:
         """Hook for subclasses: build per-model state after ``num_blocks`` and ``k`` are known."""
+
+    def _on_rebind(self, dropped: int) -> None:
+        """Hook for subclasses: after :meth:`rebind` dropped the lowest ``dropped`` blocks (negative: added as many
+        below), keep what was learned of the others; by default the per-model state is built anew."""
+        self._on_setup()
 
     @property
     def cycle_steps(self) -> int | None:
@@ -119,8 +155,8 @@ class SelectionPolicy(ABC):
         if self.num_blocks == 0:
             raise RuntimeError(f"{type(self).__name__}.setup(num_blocks) must be called before select().")
         target = step // self.switch_every
-        if self.cycle_steps == 1:  # the same blocks every round: no round to go through, nor one to go back to
-            self._round = target - 1
+        if target == self._round and not self._selection:  # a round under way when rebind() dropped its blocks
+            self._round -= 1
         if target < self._round:
             raise ValueError(
                 f"select() went back in time: step {step} (round {target}) after round {self._round}. "
@@ -173,7 +209,8 @@ class SelectionPolicy(ABC):
                          f"with this policy's {_values(ours, missing)}")
         if notes:
             rank_zero_warn(f"{type(self).__name__}: {'; '.join(notes)}.")
-        self._round = int(state["round"])
+        # a round counts `switch_every` steps: where that may change (Full, TopOnly), the round is chosen anew
+        self._round = int(state["round"]) if "switch_every" in self.state_args else -1
         self._selection = tuple(state["selection"])
 
     def __repr__(self) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +39,9 @@ class RandomPolicy(SelectionPolicy):
         self.generator = torch.Generator().manual_seed(self.seed)
         self._cycle: list[list[int]] = []
 
+    def _on_rebind(self, dropped: int) -> None:
+        self._cycle = []  # a permutation of the blocks bound before; the generator goes on
+
     def _choose(self, round_index: int) -> list[int]:
         if not self.reshuffle:
             return torch.randperm(self.num_blocks, generator=self.generator)[: self.k].tolist()
@@ -60,8 +64,8 @@ class RandomPolicy(SelectionPolicy):
 class GradNormPolicy(SelectionPolicy):
     """Importance selection from an EMA of each block's LoRA gradient norm, with bounded staleness.
 
-    The first cycle walks the blocks in consecutive groups to measure every block once. After that a
-    round trains, in order:
+    The first cycle walks the blocks in consecutive groups to measure every block once (so do blocks that
+    start training again after a :meth:`rebind`), unless a block is overdue. After that a round trains, in order:
 
     1. *overdue* blocks, i.e. untrained for ``max_staleness`` rounds or more, oldest first;
     2. the highest-scoring remaining blocks, ``score = ema / max(ema) + exploration * staleness / G``,
@@ -70,8 +74,11 @@ class GradNormPolicy(SelectionPolicy):
     **Staleness bound.** A block that becomes overdue has at most ``N - 1`` overdue blocks ahead of it
     (older ones, or as old with a lower index), and ``k`` overdue blocks are served per round, so it
     trains within ``G`` rounds. Hence no block goes more than ``max_staleness + G - 1`` rounds between
-    two trainings (``switch_every`` steps per round). ``tests/test_policies.py`` checks the bound under
-    adversarial gradient norms.
+    two trainings (``switch_every`` steps per round). When the lowest blocks stop training (:meth:`rebind`,
+    under ``ProgressiveFreezing``), the others keep their EMA and staleness, and the bound is that over the
+    blocks that still train; a gap across the change is at most the larger of the two bounds (with
+    ``layers_per_step`` or the default ``max_staleness``: a ``fraction``'s ``k`` shrinks with the blocks).
+    ``tests/test_policies.py`` and ``tests/test_freezing.py`` check the bound under adversarial norms.
 
     Args:
         ema_decay: weight of the previous EMA value, in [0, 1).
@@ -109,17 +116,19 @@ class GradNormPolicy(SelectionPolicy):
     def _on_setup(self) -> None:
         self.ema: list[float | None] = [None] * self.num_blocks
         self.last_trained: list[int] = [-1] * self.num_blocks
-        self._warmup = balanced_groups(list(range(self.num_blocks)), self.num_groups)
+
+    def _on_rebind(self, dropped: int) -> None:
+        self.ema = _shifted(self.ema, dropped, None)
+        self.last_trained = _shifted(self.last_trained, dropped, -1)
 
     def _choose(self, round_index: int) -> list[int]:
-        if round_index < len(self._warmup):
-            chosen = self._warmup[round_index]
+        staleness = [round_index - last for last in self.last_trained]
+        overdue = sorted((i for i in range(self.num_blocks) if staleness[i] >= self.max_staleness),
+                         key=lambda i: (-staleness[i], i))  # never trained: the oldest
+        unmeasured = [i for i, last in enumerate(self.last_trained) if last < 0]
+        if unmeasured and not overdue:  # the first cycle's consecutive groups (the first of those still needed)
+            chosen = balanced_groups(unmeasured, math.ceil(len(unmeasured) / self.k))[0]
         else:
-            staleness = [round_index - last for last in self.last_trained]
-            overdue = sorted(
-                (i for i in range(self.num_blocks) if staleness[i] >= self.max_staleness),
-                key=lambda i: (-staleness[i], i),
-            )
             chosen = overdue[: self.k]
             seen = [e for e in self.ema if e is not None]
             top = max(seen) if seen and max(seen) > 0 else 1.0
@@ -145,3 +154,11 @@ class GradNormPolicy(SelectionPolicy):
         super().load_state_dict(state)
         self.ema = list(state["ema"])
         self.last_trained = list(state["last_trained"])
+
+
+T = TypeVar("T")
+
+
+def _shifted(per_block: list[T], dropped: int, fill: T) -> list[T]:
+    """``per_block`` after the lowest ``dropped`` blocks left (negative: as many came in below, at ``fill``)."""
+    return per_block[dropped:] if dropped >= 0 else [fill] * -dropped + per_block
