@@ -25,7 +25,7 @@ def options(group: str) -> list[str]:
 def test_every_group_has_its_options() -> None:
     assert options("model") == ["gemma3_1b", "hf", "qwen2.5_0.5b", "qwen2.5_1.5b", "qwen2.5_3b", "smollm2_135m",
                                 "smollm2_135m_random", "smollm2_360m_random", "tiny"]
-    assert options("task") == ["classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
+    assert options("task") == ["chat", "classification", "gsm8k", "lm_text", "pydoc", "qa_jsonl", "sst2", "wikitext2"]
     assert options("policy") == ["cyclic", "dyadic", "full", "grad_norm", "paper", "random", "top_only"]
     assert options("mebp") == ["auto", "int4", "nf4", "none"]
     assert options("trainer") == ["cpu", "ddp", "gpu"]

@@ -1,4 +1,4 @@
-"""Generic task types, configured from YAML: ``lm_text``, ``qa_jsonl`` and ``classification``.
+"""Generic task types, configured from YAML: ``lm_text``, ``qa_jsonl``, ``classification`` and ``chat``.
 
 A task is constructed (and its files and columns checked) before any model is loaded; ``build``
 then tokenizes it into lists of examples. Each example is a dict with ``input_ids`` and ``labels``
@@ -7,8 +7,10 @@ classification ones ``prompt_ids`` and ``label``.
 """
 
 from lcsb_lightning.recipes.tasks.base import Task, TaskData, data_source, extract_number
+from lcsb_lightning.recipes.tasks.chat import ChatTask
 from lcsb_lightning.recipes.tasks.classification import ClassificationTask
 from lcsb_lightning.recipes.tasks.lm_text import LMTextTask
 from lcsb_lightning.recipes.tasks.qa import QAJsonlTask
 
-__all__ = ["Task", "TaskData", "data_source", "extract_number", "ClassificationTask", "LMTextTask", "QAJsonlTask"]
+__all__ = ["Task", "TaskData", "data_source", "extract_number", "ChatTask", "ClassificationTask", "LMTextTask",
+           "QAJsonlTask"]
