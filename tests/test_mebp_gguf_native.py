@@ -176,3 +176,26 @@ def test_the_gguf_file_is_closed_after_loading(tmp_path: Path) -> None:
     assert reader.tensors == [] and str(tmp_path / "tiny.gguf") not in Path("/proc/self/maps").read_text()
     load_compressed(tmp_path / "tiny.gguf", fmt="auto")
     assert str(tmp_path / "tiny.gguf") not in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.slow
+def test_a_q4_k_m_file_made_by_llama_cpp_is_kept_as_it_is(smollm2_q4_k_m: Path) -> None:
+    """Every Q4_K, Q5_K and Q6_K (and Q5_0, Q8_0) tensor of llama.cpp's Q4_K_M SmolLM2 is kept in native
+    form, bit for bit: no warning, and the logits (so the eval loss) are the float model's from the same file."""
+    import warnings
+
+    from lcsb_lightning.mebp.convert import stored_formats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second quantization would warn
+        compressed = load_compressed(smollm2_q4_k_m, fmt="auto", weights="ram")
+    reference = load_float(smollm2_q4_k_m)
+    formats = stored_formats(compressed)
+    assert {"q4_k/32", "q6_k/16"} <= set(formats) and "int4_asym/32" not in formats, formats
+    floats = dict(reference.named_parameters(remove_duplicate=False))
+    for name, layer in compressed.named_modules():
+        if isinstance(layer, CompressedLinear) and layer.fmt.name in ("q4_k", "q5_k", "q6_k"):
+            assert torch.equal(_bits(layer.decompress()), _bits(floats[f"{name}.weight"])), name
+    ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(compressed(ids).logits, reference(ids).logits)
