@@ -50,7 +50,7 @@ def tokens(batch: int = 2, seq: int = 16, vocab: int = 96, seed: int = 0) -> tor
 #: random blocks whose scale fields are overwritten with small finite values.
 KQUANT_SCALES: dict[str, tuple[tuple[int, ...], float]] = {
     "Q2_K": ((80, 82), 1e-3), "Q3_K": ((108,), 1e-3), "Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 1e-4),
-    "Q6_K": ((208,), 1e-5),
+    "Q6_K": ((208,), 1e-5), "IQ4_NL": ((0,), 1e-3),  # IQ4_NL: no stored twin, quantized a second time
 }
 
 

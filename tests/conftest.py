@@ -132,3 +132,19 @@ def quiet_trainer(**kwargs: Any) -> "Any":
     )
     defaults.update(kwargs)
     return Trainer(**defaults)
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Q4_K_M copy of SmolLM2-135M-Instruct made by llama.cpp's quantizer (tests/_gguf_utils.py)."""
+    from _gguf_utils import llama_quantize, smollm2_q4_1
+
+    return llama_quantize(smollm2_q4_1(), tmp_path_factory.mktemp("gguf") / "smollm2.Q4_K_M.gguf", "MOSTLY_Q4_K_M")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An F32 copy of SmolLM2-135M-Instruct (its Q4_1 weights dequantized) made by llama.cpp (tests/_gguf_utils.py)."""
+    from _gguf_utils import llama_quantize, smollm2_q4_1
+
+    return llama_quantize(smollm2_q4_1(), tmp_path_factory.mktemp("gguf") / "smollm2.F32.gguf", "ALL_F32")

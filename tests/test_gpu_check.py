@@ -196,11 +196,12 @@ def test_on_cuda_arm_trains_in_bf16(name: str, tiny_folder: Path) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_nf4_codes_made_on_cpu_decode_alike(dtype: torch.dtype) -> None:
-    from lcsb_lightning.mebp._internal.formats import Packed, dequantize, quantize
+    from lcsb_lightning.mebp._internal.formats import Packed, get_format
 
-    packed = quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)), "nf4", 64)  # as load_compressed
-    on_cpu = dequantize(packed, "nf4", 64, torch.float32)
-    on_cuda = dequantize(Packed(packed.codes.cuda(), packed.scales.cuda()), "nf4", 64, dtype)
+    nf4 = get_format("nf4")
+    packed = nf4.quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)), 64)  # as load_compressed
+    on_cpu = nf4.dequantize(packed, 64, torch.float32)
+    on_cuda = nf4.dequantize(Packed(packed.codes.cuda(), packed.scales.cuda()), 64, dtype)
     assert on_cuda.dtype == dtype and on_cuda.device.type == "cuda"
     torch.testing.assert_close(on_cuda.float().cpu(), on_cpu, rtol=1e-2 if dtype == torch.bfloat16 else 0, atol=1e-6)
 
@@ -208,11 +209,11 @@ def test_on_cuda_nf4_codes_made_on_cpu_decode_alike(dtype: torch.dtype) -> None:
 @needs_cuda
 def test_on_cuda_compressed_linear_and_chunked_loss_match_the_dequantized_weight() -> None:
     from lcsb_lightning.mebp import CompressedLinear, chunked_lm_loss
-    from lcsb_lightning.mebp._internal.formats import dequantize
+    from lcsb_lightning.mebp._internal.formats import get_format
 
     torch.manual_seed(0)
     layer = CompressedLinear.from_linear(torch.nn.Linear(128, 320), "nf4", 64).cuda()
-    weight = dequantize(layer.packed(), "nf4", 64, torch.float32)
+    weight = get_format("nf4").dequantize(layer.packed(), 64, torch.float32)
     x = torch.randn(2, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
     y.float().square().sum().backward()
@@ -228,7 +229,7 @@ def test_on_cuda_compressed_linear_and_chunked_loss_match_the_dequantized_weight
     loss = chunked_lm_loss(hidden, head, labels, chunk_size=5)
     loss.backward()
     ref_h = hidden.detach().float().requires_grad_()
-    logits = F.linear(ref_h, dequantize(head.packed(), "nf4", 64, torch.float32))
+    logits = F.linear(ref_h, get_format("nf4").dequantize(head.packed(), 64, torch.float32))
     ref_loss = F.cross_entropy(logits[:, :-1].reshape(-1, 320), labels[:, 1:].reshape(-1))
     ref_loss.backward()
     torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-3, atol=1e-3)

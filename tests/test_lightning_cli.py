@@ -83,7 +83,7 @@ def test_print_config_shows_every_plugin_setting_with_its_value(recipe: ModuleTy
     plugins = printed["trainer"]["plugins"]
     plugin = plugins[0] if isinstance(plugins, list) else plugins
     assert plugin["class_path"] == "lcsb_lightning.QuantizedMeBP"
-    expected = {**dataclasses.asdict(MeBPConfig(**{"fmt": "nf4", **options})), "ignore_modules": []}
+    expected = {**dataclasses.asdict(MeBPConfig(**options)), "ignore_modules": []}
     assert plugin["init_args"] == {"config": expected, "precision": "32-true"}, plugin["init_args"]
 
 

@@ -91,3 +91,18 @@ def test_every_mebp_yaml_is_a_valid_config(option: str) -> None:
     assert (config.fmt, config.group_size, config.weights) == (option, 32, "mmap")
     assert {f.name for f in dataclasses.fields(MeBPConfig)} == set(node) - {"_target_"}  # one shape, every field
     assert "_target_" not in none  # no plugin
+
+
+def test_the_default_config_is_a_plain_checked_config_that_needs_no_bitsandbytes() -> None:
+    """Issue 57: DEFAULT_CONFIG was built with object.__new__ (unchecked) and recognised by identity."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['bitsandbytes'] = None\n"
+            "import dataclasses\n"
+            "from lcsb_lightning.mebp.config import DEFAULT_CONFIG, MeBPConfig, build_config\n"
+            "assert DEFAULT_CONFIG == MeBPConfig() and (DEFAULT_CONFIG.fmt, DEFAULT_CONFIG.group_size) == ('auto', 32)\n"
+            "assert build_config(DEFAULT_CONFIG, {'fmt': 'int4'}) == MeBPConfig(fmt='int4')\n"
+            "print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -11,7 +11,7 @@ from torch import nn
 from _mebp_utils import add_lora, lora_grads, tiny_llama, tokens
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp import apply_mebp, mebp_state
-from lcsb_lightning.mebp._internal.formats import dequantize, quantize
+from lcsb_lightning.mebp._internal.formats import get_format
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 from lcsb_lightning.selective import SelectiveBackprop
 
@@ -44,7 +44,7 @@ def test_logits_equal_the_round_tripped_float_model(fmt: str) -> None:
     with torch.no_grad():
         for module in reference.modules():
             if type(module) in (nn.Linear, nn.Embedding):
-                module.weight.copy_(dequantize(quantize(module.weight, fmt, 32), fmt, 32, torch.float32))
+                module.weight.copy_(get_format(fmt).dequantize(get_format(fmt).quantize(module.weight, 32), 32, torch.float32))
         ids = tokens()
         expected = reference(ids).logits
         logits = apply_mebp(model, fmt=fmt, group_size=32)(ids).logits

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import FORMATS, dequantize, error_bound, quantize, select_rows, validate_format
+from lcsb_lightning.mebp._internal.formats import FORMATS, get_format, select_rows, validate_format
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 
 
@@ -18,22 +18,24 @@ from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_round_trip_within_documented_bound(fmt: str, group_size: int) -> None:
     weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)) * 0.05
-    restored = dequantize(quantize(weight, fmt, group_size), fmt, group_size, torch.float32)
+    stored = get_format(fmt)
+    restored = stored.dequantize(stored.quantize(weight, group_size), group_size, torch.float32)
     group_absmax = weight.reshape(48, -1, group_size).abs().amax(-1, keepdim=True)
     error = (restored - weight).abs().reshape(48, -1, group_size)
-    assert torch.all(error <= error_bound(fmt) * group_absmax * (1 + 1e-5) + 1e-8)
+    assert torch.all(error <= stored.error_bound() * group_absmax * (1 + 1e-5) + 1e-8)
     assert restored.dtype == torch.float32 and restored.shape == weight.shape
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_int4_packs_two_weights_per_byte_and_rows_dequantize_alone(fmt: str) -> None:
     weight = torch.randn(10, 64)
-    packed = quantize(weight, fmt, 32)
+    stored = get_format(fmt)
+    packed = stored.quantize(weight, 32)
     assert packed.codes.dtype == torch.uint8 and packed.codes.shape == (10, 32)
     assert packed.scales.shape == (10, 2)
     rows = torch.tensor([7, 2, 2])
-    full = dequantize(packed, fmt, 32, torch.float32)
-    assert torch.equal(dequantize(select_rows(packed, rows), fmt, 32, torch.float32), full[rows])
+    full = stored.dequantize(packed, 32, torch.float32)
+    assert torch.equal(stored.dequantize(select_rows(packed, rows), 32, torch.float32), full[rows])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -67,7 +69,8 @@ def test_compressed_embedding_looks_up_dequantized_rows(fmt: str) -> None:
     embedding = nn.Embedding(20, 64)
     compressed = CompressedEmbedding.from_embedding(embedding, fmt, 64)
     ids = torch.tensor([[3, 19, 0], [3, 3, 7]])
-    table = dequantize(quantize(embedding.weight, fmt, 64), fmt, 64, torch.float32)
+    stored = get_format(fmt)
+    table = stored.dequantize(stored.quantize(embedding.weight, 64), 64, torch.float32)
     torch.testing.assert_close(compressed(ids), table[ids])
 
 

@@ -53,11 +53,12 @@ def test_a_preloaded_allocator_turns_both_mechanisms_off(monkeypatch: pytest.Mon
 def test_map_large_allocations_acts_before_the_conversion_allocates(monkeypatch: pytest.MonkeyPatch,
                                                                     fresh_heap_state: Any, load: bool) -> None:
     """The threshold applies only to what the heap's free space cannot serve: it must come first."""
-    from lcsb_lightning.mebp import convert, loading
+    from lcsb_lightning.mebp import loading
+    from lcsb_lightning.mebp._internal.formats import StoredFormat
 
     events: list[str] = []
     monkeypatch.setattr(heap, "_glibc", lambda name: (lambda *args: events.append("mallopt") or 1) if name == "mallopt" else None)
-    for module, name in ((loading, "allocate_packed"), (convert, "allocate_packed"), (loading, "_meta_model")):
+    for module, name in ((StoredFormat, "allocate"), (loading, "_meta_model")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, **k: events.append("allocate") or _f(*a, **k))
     if load:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from lcsb_lightning.mebp import CompressedEmbedding, CompressedLinear, apply_mebp, load_compressed
-from lcsb_lightning.mebp._internal.formats import dequantize
 
 from _mebp_utils import add_lora, tiny_llama, tokens
 
@@ -27,7 +26,7 @@ def _with_dequantized_weights(original: nn.Module, converted: nn.Module) -> nn.M
     reference = copy.deepcopy(original)
     for name, module in converted.named_modules():
         if isinstance(module, (CompressedLinear, CompressedEmbedding)):
-            weight = dequantize(module.packed(), module.fmt, module.group_size, torch.float32)
+            weight = module.fmt.dequantize(module.packed(), module.group_size, torch.float32)
             reference.get_submodule(name).weight.data.copy_(weight)
     return reference
 

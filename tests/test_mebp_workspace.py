@@ -9,25 +9,26 @@ import torch
 from _mebp_utils import add_lora, lora_grads, tiny_llama, tokens
 
 from lcsb_lightning.mebp import CompressedLinear, apply_mebp, chunked_lm_loss, mebp_state
-from lcsb_lightning.mebp._internal.formats import FORMATS, dequantize, quantize
+from lcsb_lightning.mebp._internal.formats import FORMATS, get_format
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_dequantize_into_a_buffer_equals_the_allocating_path(fmt: str, dtype: torch.dtype) -> None:
-    packed = quantize(torch.randn(48, 128, generator=torch.Generator().manual_seed(0)), fmt, 64)
+    stored = get_format(fmt)
+    packed = stored.quantize(torch.randn(48, 128, generator=torch.Generator().manual_seed(0)), 64)
     out = torch.full((48, 128), float("nan"), dtype=dtype)
     index = torch.empty(48, 64, dtype=torch.int32)
-    result = dequantize(packed, fmt, 64, dtype, out=out, index_buffer=index)
+    result = stored.dequantize(packed, 64, dtype, out=out, index_buffer=index)
     assert result.data_ptr() == out.data_ptr()
-    assert torch.equal(result, dequantize(packed, fmt, 64, dtype))
+    assert torch.equal(result, stored.dequantize(packed, 64, dtype))
 
 
 def test_dequantize_rejects_a_buffer_of_the_wrong_shape() -> None:
-    packed = quantize(torch.randn(8, 64), "int4", 32)
+    packed = get_format("int4").quantize(torch.randn(8, 64), 32)
     with pytest.raises(ValueError, match=r"`out` must be a \(8, 64\) tensor of torch.float32, got \(8, 32\)"):
-        dequantize(packed, "int4", 32, torch.float32, out=torch.empty(8, 32))
+        get_format("int4").dequantize(packed, 32, torch.float32, out=torch.empty(8, 32))
 
 
 def test_workspace_lends_the_smallest_free_buffer_that_fits() -> None:
@@ -82,10 +83,11 @@ def test_a_buffer_never_given_back_is_freed_with_its_borrower() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_with_a_scratch_of_fewer_rows_than_the_weight(fmt: str) -> None:
-    packed = quantize(torch.randn(50, 128, generator=torch.Generator().manual_seed(1)), fmt, 64)
+    stored = get_format(fmt)
+    packed = stored.quantize(torch.randn(50, 128, generator=torch.Generator().manual_seed(1)), 64)
     out, index = torch.empty(50, 128), torch.empty(7, 64, dtype=torch.int32)
-    assert torch.equal(dequantize(packed, fmt, 64, torch.float32, out=out, index_buffer=index),
-                       dequantize(packed, fmt, 64, torch.float32))
+    assert torch.equal(stored.dequantize(packed, 64, torch.float32, out=out, index_buffer=index),
+                       stored.dequantize(packed, 64, torch.float32))
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, retain: bool = False) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_core_and_recipe_building_without_4bit_do_not_import_bitsandbytes(tmp_pa
 
 
 def test_the_cpu_kernel_notice_is_filtered(caplog: pytest.LogCaptureFixture) -> None:
-    import lcsb_lightning.mebp._internal.formats  # noqa: F401  (installs the filter)
+    import lcsb_lightning.mebp._internal.bnb_notice  # noqa: F401  (installs the filter)
 
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     with caplog.at_level(logging.WARNING, logger=logger.name):

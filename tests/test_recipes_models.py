@@ -109,7 +109,7 @@ def test_gguf_fallback_says_in_one_line_where_the_model_comes_from_and_why(
     monkeypatch.setattr(models, "load_weights", lambda *a, **k: None)
     monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: None)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
-    monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name: name)
+    monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name, weights_file=None: name)
     with _one_info_line(monkeypatch) as lines:
         assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path)) == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
     assert lines == [
@@ -161,6 +161,45 @@ def test_hub_probe_decides_from_the_environment_first_then_one_request(monkeypat
     assert models.hub_unreachable() == f"{constants.ENDPOINT}: no answer within 2 s"
     monkeypatch.setattr(models, "_probe_hub", lambda endpoint, timeout: None)
     assert models.hub_unreachable() is None
+
+
+def test_auto_source_with_mebp_auto_reads_the_gguf_and_never_asks_the_hub(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online or not, mebp fmt=auto is the GGUF's own blocks: the hub's float weights are not fetched."""
+    gguf = tmp_path / "smol.gguf"
+    gguf.write_bytes(b"")
+    (tmp_path / models.SMOLLM2_CACHE_NAME).mkdir()
+    (tmp_path / models.SMOLLM2_CACHE_NAME / "COMPLETE").write_text("")
+    monkeypatch.setattr(models, "hub_unreachable", lambda: pytest.fail("asked the hub"))
+    monkeypatch.setattr(models, "from_pretrained", lambda *a, **k: pytest.fail("loaded the hub's weights"))
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: gguf)
+    loaded: list[tuple[object, str]] = []
+    monkeypatch.setattr(models, "load_weights", lambda source, mebp, *a, **k: loaded.append((source, mebp.fmt)))
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name, weights_file=None: weights_file)
+    assert models.smollm2_135m(source="auto", cache_dir=str(tmp_path), mebp={"fmt": "auto"}) == gguf
+    assert loaded == [(gguf, "auto")]
+
+
+def test_from_pretrained_fetches_a_hub_gguf_and_passes_trust_remote_code_on(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def download(repo_id: str, allow_patterns: list[str], local_files_only: bool) -> str:
+        seen["download"] = (repo_id, allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", download)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda folder, **k: seen.setdefault("config", (folder, k)))
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda folder, **k: seen.setdefault("tokenizer", k))
+    monkeypatch.setattr(models, "load_weights", lambda source, mebp, dtype, model_config: seen.setdefault("weights", source))
+    monkeypatch.setattr(models, "_bundle", lambda model, tokenizer, name, weights_file=None: weights_file)
+    got = models.from_pretrained("org/m-GGUF", gguf_file="m.Q4_K_M.gguf", trust_remote_code=True, mebp={"fmt": "auto"})
+    assert got == seen["weights"] == tmp_path / "m.Q4_K_M.gguf"
+    assert seen["download"] == ("org/m-GGUF", [*models._HUB_FILES, "m.Q4_K_M.gguf"])
+    assert seen["config"] == (str(tmp_path), {"trust_remote_code": True, "local_files_only": True, "gguf_file": "m.Q4_K_M.gguf"})
+    assert seen["tokenizer"] == {"trust_remote_code": True, "local_files_only": True, "gguf_file": "m.Q4_K_M.gguf"}
 
 
 def test_hf_option_loads_a_local_folder_in_hf_format(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lcsb_lightning.mebp._internal.formats import allocate_packed, bits_per_weight, dequantize, quantize
-from lcsb_lightning.mebp._internal.gguf_blocks import NATIVE_FORMATS, read_blocks_into
+from lcsb_lightning.mebp._internal.formats import get_format
+from lcsb_lightning.mebp._internal.gguf_blocks import gguf_format
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def _matrices(gguf_path: Path) -> tuple[list[tuple[str, torch.Tensor]], torch.Te
 def _round_trip(weights: torch.Tensor, row: Row, native: bool) -> torch.Tensor:
     if row.fmt == "auto" and native:
         return weights  # the file's blocks, kept as they are: dequantized bit for bit (tests/test_mebp_gguf_native.py)
-    return dequantize(quantize(weights, row.fmt, row.group_size), row.fmt, row.group_size, torch.float32)
+    fmt = get_format(row.fmt)
+    return fmt.dequantize(fmt.quantize(weights, row.group_size), row.group_size, torch.float32)
 
 
 def relative_errors(gguf_path: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, dict[str, float]]:
@@ -90,21 +91,21 @@ def relative_errors(gguf_path: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, 
 
 def bits(row: Row) -> str:
     if row.fmt == "auto":
-        return " / ".join(f"{bits_per_weight(fmt, 32):g} ({name})" for name, fmt in NATIVE_FORMATS.items() if name in ("Q4_1", "Q8_0"))
-    return f"{bits_per_weight(row.fmt, row.group_size):g}"
+        return " / ".join(f"{gguf_format(name).bits_per_weight(32):g} ({name})" for name in ("Q4_1", "Q8_0"))  # type: ignore[union-attr]
+    return f"{get_format(row.fmt).bits_per_weight(row.group_size):g}"
 
 
 def decompression_ns_per_weight(row: Row, repeats: int = 20) -> float:
     """Median time to decompress a 1536 x 576 matrix into a reused buffer, in ns per weight."""
     weights = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0)) * 0.02
-    fmt = "int4_asym" if row.fmt == "auto" else row.fmt
-    packed = quantize(weights, fmt, row.group_size)
+    fmt = get_format(row.fmt)
+    packed = fmt.quantize(weights, row.group_size)
     out = torch.empty_like(weights)
     index = torch.empty(1536, 288, dtype=torch.int32)
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        dequantize(packed, fmt, row.group_size, torch.float32, out=out, index_buffer=index)
+        fmt.dequantize(packed, row.group_size, torch.float32, out=out, index_buffer=index)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) / weights.numel() * 1e9
 

@@ -1,4 +1,4 @@
-"""MeBP: 4-bit frozen weights decompressed on the fly, per-block checkpointing, mmap offload.
+"""MeBP: compressed frozen weights decompressed on the fly, per-block checkpointing, mmap offload.
 
 The public API is what this module exports; the memory internals (formats, buffers, heap, storage,
 offload, timers, block checkpointing) live in :mod:`lcsb_lightning.mebp._internal`.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lcsb_lightning.mebp._internal import bnb_notice  # noqa: F401  (filters a bitsandbytes notice)
 from lcsb_lightning.mebp._internal.formats import FORMATS
 from lcsb_lightning.mebp._internal.stats import MeBPStats
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear

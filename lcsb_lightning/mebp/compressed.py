@@ -1,6 +1,7 @@
 """Compressed frozen ``Linear`` and ``Embedding`` layers that decompress their weight only while they run.
 
-The weight lives as 4-bit codes (``weight``, uint8) and scales (``scales``, float32). A forward call
+The weight lives as codes (``weight``, uint8), scales and minimums in its stored format (``fmt``,
+a :class:`~lcsb_lightning.mebp._internal.formats.StoredFormat`). A forward call
 decompresses it, multiplies and drops it; the backward pass decompresses it again to form the input
 gradient. Inside a checkpointed block the recompute decompresses once and that copy serves the
 layer's backward (unless ``keep_recomputed_weight`` is False: then the backward decompresses again,
@@ -23,9 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import (
-    Packed, codes_per_byte, dequantize, quantize, select_rows, stored_format, weight_columns,
-)
+from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format, select_rows
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpointed, recomputing
 from lcsb_lightning.mebp._internal.storage import MappedWeights
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace
@@ -106,7 +105,7 @@ class _CompressedWeight:
     the converted model's own. Without them nothing is timed and every decompression allocates.
     """
 
-    fmt: str
+    fmt: StoredFormat
     group_size: int
     weight: torch.Tensor
     scales: torch.Tensor
@@ -117,10 +116,10 @@ class _CompressedWeight:
     weight_store: MappedWeights | None
     keep_recomputed_weight: bool
 
-    def _store(self, packed: Packed, fmt: str, group_size: int) -> None:
+    def _store(self, packed: Packed, fmt: str | StoredFormat, group_size: int) -> None:
         """Keep the codes, scales (and minimums) as non-persistent buffers (rebuilt from the source weights)."""
         assert isinstance(self, nn.Module)
-        self.fmt = stored_format(fmt)
+        self.fmt = get_format(fmt)
         self.group_size = group_size
         self.register_buffer("weight", packed.codes, persistent=False)
         self.register_buffer("scales", packed.scales, persistent=False)
@@ -144,16 +143,16 @@ class _CompressedWeight:
         packed = self.packed(rows)
         try:
             if self.workspace is None:
-                return dequantize(packed, self.fmt, self.group_size, dtype)
+                return self.fmt.dequantize(packed, self.group_size, dtype)
             out_rows, width = packed.codes.shape
             device = packed.codes.device
-            out = self.workspace.borrow((out_rows, weight_columns(packed, self.fmt)), dtype, device)
-            if codes_per_byte(self.fmt) == 1:  # one byte a code: no table lookup, no scratch
-                return dequantize(packed, self.fmt, self.group_size, dtype, out=out)
+            out = self.workspace.borrow((out_rows, self.fmt.columns(packed)), dtype, device)
+            if self.fmt.codes_per_byte == 1:  # one byte a code: no table lookup, no scratch
+                return self.fmt.dequantize(packed, self.group_size, dtype, out=out)
             index_rows = max(1, min(out_rows, INDEX_SCRATCH_ELEMENTS // width))
             index = self.workspace.borrow((index_rows, width), torch.int32, device)
             try:
-                return dequantize(packed, self.fmt, self.group_size, dtype, out=out, index_buffer=index)
+                return self.fmt.dequantize(packed, self.group_size, dtype, out=out, index_buffer=index)
             finally:
                 self.workspace.give_back(index)
         finally:
@@ -198,7 +197,7 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         out_features: int,
         packed: Packed,
         bias: torch.Tensor | None,
-        fmt: str,
+        fmt: str | StoredFormat,
         group_size: int,
         max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
     ) -> None:
@@ -211,11 +210,11 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, fmt: str, group_size: int, packed: Packed | None = None
+        cls, linear: nn.Linear, fmt: str | StoredFormat, group_size: int, packed: Packed | None = None
     ) -> CompressedLinear:
         """Compress ``linear`` (pass ``packed`` to share codes with a tied embedding)."""
         if packed is None:
-            packed = quantize(linear.weight, fmt, group_size)
+            packed = get_format(fmt).quantize(linear.weight, group_size)
         return cls(linear.in_features, linear.out_features, packed, linear.bias, fmt, group_size)
 
     def reset_parameters(self) -> None:  # nn.Linear API; the compressed weight is frozen
@@ -245,7 +244,7 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
     def __init__(
         self,
         packed: Packed,
-        fmt: str,
+        fmt: str | StoredFormat,
         group_size: int,
         padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
@@ -254,7 +253,7 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         super().__init__()
         self.dtype = dtype
         self.num_embeddings = packed.codes.shape[0]
-        self.embedding_dim = weight_columns(packed, stored_format(fmt))
+        self.embedding_dim = get_format(fmt).columns(packed)
         self.padding_idx = padding_idx
         self._store(packed, fmt, group_size)
         if embed_scale is not None:  # Hugging Face's scaled word embeddings (Gemma 3, ...)
@@ -264,17 +263,17 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, fmt: str, group_size: int, packed: Packed | None = None
+        cls, embedding: nn.Embedding, fmt: str | StoredFormat, group_size: int, packed: Packed | None = None
     ) -> CompressedEmbedding:
         if packed is None:
-            packed = quantize(embedding.weight, fmt, group_size)
+            packed = get_format(fmt).quantize(embedding.weight, group_size)
         dtype = embedding.weight.dtype if embedding.weight.is_floating_point() else torch.float32
         return cls(packed, fmt, group_size, embedding.padding_idx, dtype, getattr(embedding, "embed_scale", None))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
         with self.timed("forward", self.weight.device):
-            rows = dequantize(self.packed(flat), self.fmt, self.group_size, self.dtype)
+            rows = self.fmt.dequantize(self.packed(flat), self.group_size, self.dtype)
             self.release_pages()
         self.decompress_count["forward"] += 1
         rows = rows.reshape(*input_ids.shape, self.embedding_dim)

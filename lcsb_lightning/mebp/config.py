@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional, get_args
 
-from lcsb_lightning.mebp._internal.formats import validate_format
+from lcsb_lightning.mebp._internal.formats import AUTO_GROUP_SIZE, validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
 
 # The option types are Literals so that LightningCLI (jsonargparse) lists the choices and refuses another
@@ -36,11 +36,14 @@ class MeBPConfig:
     config they override its fields (``dataclasses.replace``).
 
     Args:
-        fmt: ``"int4"`` (MeBP's) or ``"int4_asym"`` (a scale and a minimum per group; both plain torch),
-            ``"nf4"`` or ``"fp4"`` (bitsandbytes), or ``"auto"``: a GGUF file's own blocks kept as they
-            are where they map (:func:`~lcsb_lightning.mebp.load_compressed`), ``"int4_asym"`` elsewhere.
-        group_size: Weights per scale; must divide every converted layer's input features (for
-            ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096).
+        fmt: ``"auto"`` (the default): a GGUF file's own blocks kept as they are wherever a stored format
+            holds them (:func:`~lcsb_lightning.mebp.load_compressed`; Q4_0-Q8_0 and Q2_K-Q6_K), float
+            weights in ``"int4_asym"``; ``"int4"`` (MeBP's) or ``"int4_asym"`` (a scale and a minimum per
+            group; both plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        group_size: Weights per scale of the weights quantized here (32 by default: ``int4_asym`` at 32 is
+            the lowest error measured at 5 bits a weight); must divide their layers' input features (for
+            ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096). GGUF blocks kept as they are
+            keep their own.
         checkpoint: Per-block non-reentrant gradient checkpointing.
         offload: ``"none"`` or ``"mmap"`` (a back-propagated block's saved tensors in memory-mapped files).
         compress_embeddings: Also compress the input embedding and LM head.
@@ -101,8 +104,8 @@ class MeBPConfig:
         'int4'
     """
 
-    fmt: Format = "nf4"
-    group_size: int = 64
+    fmt: Format = "auto"
+    group_size: int = AUTO_GROUP_SIZE
     checkpoint: bool = True
     offload: Offload = "none"
     compress_embeddings: bool = True
@@ -149,24 +152,13 @@ class MeBPConfig:
         return build_config(None, {key: value for key, value in node.items() if not str(key).startswith("_")})
 
 
-def _defaults() -> MeBPConfig:
-    # Built without __post_init__, which would import bitsandbytes for the default fmt="nf4" at import
-    # time; build_config builds (and checks) a real one in its place.
-    config = object.__new__(MeBPConfig)
-    for field in dataclasses.fields(MeBPConfig):
-        object.__setattr__(config, field.name, field.default)
-    return config
-
-
 #: MeBPConfig's defaults, as the default of a ``config`` argument: signatures (and LightningCLI's
-#: ``--print_config``) show every field's value; :func:`build_config` replaces it by a checked config.
-DEFAULT_CONFIG = _defaults()
+#: ``--print_config``) show every field's value. A plain, checked config: options beside it override its fields.
+DEFAULT_CONFIG = MeBPConfig()
 
 
 def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
     """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
-    if config is DEFAULT_CONFIG:
-        config = None
     if config is not None and not isinstance(config, MeBPConfig):
         raise TypeError(
             f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "

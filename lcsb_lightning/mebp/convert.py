@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
 from lcsb_lightning.mebp._internal.checkpoint import install_block_wrappers
-from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize
+from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format
 from lcsb_lightning.mebp._internal.heap import map_large_allocations
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats
@@ -32,6 +33,7 @@ class MeBPState:
         config: The options the model was converted with.
         blocks: The blocks that got QuantizedMeBP's checkpoint wrapper.
         compressed_modules: Each compressed Linear/Embedding by qualified name.
+        source: The file :func:`~lcsb_lightning.mebp.load_compressed` read the weights from, if any.
     """
 
     config: MeBPConfig
@@ -41,6 +43,7 @@ class MeBPState:
     weight_store: MappedWeights | None = None
     stats: MeBPStats = field(default_factory=MeBPStats)
     workspace: DecompressionWorkspace = field(default_factory=DecompressionWorkspace)
+    source: str | None = None  # the file load_compressed read (None: converted in memory, or a random init)
 
     def close(self) -> None:
         """Remove the offload and weight directories (the compressed layers stay usable)."""
@@ -101,7 +104,7 @@ def _candidates(model: nn.Module, blocks: list[nn.Module], compress_embeddings: 
 
 
 def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) -> dict[str, nn.Module]:
-    """Qualified names of the modules to compress; raises on a ``group_size`` that does not fit one.
+    """Qualified names of the modules to compress (their group sizes: :func:`check_group_sizes`).
 
     A candidate (any ``nn.Linear`` in a block, subclasses included; with ``compress_embeddings`` the
     input embedding and LM head) is compressed unless it is a peft adapter (LoRA A/B), already
@@ -109,7 +112,7 @@ def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) 
     whose ``forward`` computes something else (warned), named in ``ignore_modules``, or trainable in
     a model set up for fine-tuning (see :func:`apply_mebp`; warned).
     """
-    ignore_modules, group_size = config.ignore_modules, config.group_size
+    ignore_modules = config.ignore_modules
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     excluded = _adapter_module_ids(model)
     # A model whose parameters are all trainable has not been set up for fine-tuning yet (it comes
@@ -146,17 +149,21 @@ def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) 
             UserWarning,
             stacklevel=3,
         )
+    return targets
+
+
+def check_group_sizes(targets: dict[str, nn.Module], group_sizes: dict[str, int]) -> None:
+    """Raise on a target whose input features its group size (by name: GGUF blocks keep their own) does not divide."""
     for name, module in targets.items():
-        width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
+        width, group_size = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim, group_sizes[name]
         if width % group_size:
             raise ValueError(
                 f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
                 f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to `ignore_modules`."
             )
-    return targets
 
 
-def compressed_twin(module: nn.Module, packed: Packed, fmt: str, group_size: int, dtype: torch.dtype) -> nn.Module:
+def compressed_twin(module: nn.Module, packed: Packed, fmt: StoredFormat, group_size: int, dtype: torch.dtype) -> nn.Module:
     """The compressed replacement of a target ``module`` holding ``packed`` (its bias and embedding
     scale, if any, must already be real tensors)."""
     if isinstance(module, nn.Embedding):
@@ -173,20 +180,21 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, group_size: int) -> dict[str, nn.Module]:
     """Replace each target by its compressed twin; tied weights share one compressed copy."""
+    stored = get_format(fmt)
     unique = {id(m.weight): m.weight for m in targets.values()}
     devices = {w.device for w in unique.values()}
-    # One buffer for all codes and one for all scales (see allocate_packed), on the weights' device.
+    # One buffer for all codes and scales (StoredFormat.allocate), on the weights' device.
     shapes = [tuple(w.shape) for w in unique.values()]
-    slots = allocate_packed(shapes, group_size, devices.pop(), fmt) if len(devices) == 1 else None
+    slots = stored.allocate(shapes, group_size, devices.pop()) if len(devices) == 1 else None
     shared = {
-        key: quantize(weight, fmt, group_size, out=slots[i] if slots is not None else None)
+        key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
         for i, (key, weight) in enumerate(unique.items())
     }
     done: dict[str, nn.Module] = {}
     for name, module in targets.items():
         key = id(module.weight)
         dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
-        new = compressed_twin(module, shared[key], fmt, group_size, dtype)
+        new = compressed_twin(module, shared[key], stored, group_size, dtype)
         _set_module(model, name, new)
         done[name] = new
     return done
@@ -240,6 +248,7 @@ def apply_mebp(
         raise RuntimeError(f"apply_mebp was already applied to this {type(model).__name__} (or a submodule).")
     found = find_blocks(model, blocks)
     targets = find_targets(model, found, config)
+    check_group_sizes(targets, dict.fromkeys(targets, config.group_size))
     if not targets:
         raise TypeError(
             f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
@@ -297,3 +306,11 @@ def mebp_state(model: nn.Module) -> MeBPState | None:
         if state is not None:
             return state
     return None
+
+
+def stored_formats(model: nn.Module) -> dict[str, int]:
+    """How many compressed weights ``model`` holds in each stored format and group size (tied ones once),
+    e.g. ``{"q5_0/32": 168, "q4_k/32": 16}``; empty for a model not converted."""
+    state = mebp_state(model)
+    weights = {id(m.weight): m for m in state.compressed_modules.values()} if state is not None else {}
+    return dict(Counter(f"{m.fmt.name}/{m.group_size}" for m in weights.values()))  # type: ignore[union-attr]

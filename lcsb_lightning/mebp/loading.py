@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
@@ -25,12 +26,11 @@ from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
-from lcsb_lightning.mebp.convert import compressed_twin, finish_conversion, find_targets
-from lcsb_lightning.mebp._internal.formats import Packed, allocate_packed, quantize_into, select_rows, stored_format
-from lcsb_lightning.mebp._internal.gguf_blocks import BLOCK
+from lcsb_lightning.mebp.convert import check_group_sizes, compressed_twin, finish_conversion, find_targets, mebp_state
+from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format, select_rows
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, trim_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
-from lcsb_lightning.mebp._internal.sources import GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
+from lcsb_lightning.mebp._internal.sources import FLOAT_TYPES, GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf
 
 if TYPE_CHECKING:
     from lcsb_lightning.mebp._internal.gguf_file import GGUFFile as GGUFReader
@@ -57,28 +57,29 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
 
 @dataclass(frozen=True)
 class _Target:
-    """How one weight is stored: its format, group size and scale dtype (None: the format's own)."""
+    """How one weight is stored: its format and group size, and whether the source's own blocks are kept."""
 
-    fmt: str
+    fmt: StoredFormat
     group_size: int
-    scales_dtype: torch.dtype | None = None
-    native: bool = False  # taken from the source's own blocks as they are
+    native: bool = False
 
 
 def _target_format(source: WeightSource, name: str, config: MeBPConfig) -> _Target:
-    """A GGUF tensor whose blocks map to a stored format keeps them with ``fmt="auto"``; else ``config``'s format."""
+    """A GGUF tensor whose blocks a stored format holds keeps them with ``fmt="auto"``; else ``config``'s format."""
     if config.fmt == "auto" and isinstance(source, GGUFSource):
         native = source.native_format(name)
         if native is not None:
-            return _Target(native, BLOCK, torch.float16, native=True)
-    return _Target(stored_format(config.fmt), config.group_size)
+            return _Target(native, native.group_size, native=True)
+    return _Target(get_format(config.fmt), config.group_size)
 
 
-def _packed(source: WeightSource, name: str, shape: torch.Size, target: _Target, slot: Packed | None) -> Packed:
-    """The compressed tensor, written in place (into ``slot`` if given) one row chunk at a time."""
+def _packed(source: WeightSource, name: str, shape: torch.Size, target: _Target, slot: Packed | None,
+            error: list[float] | None = None) -> Packed:
+    """The compressed tensor, written in place (into ``slot`` if given) one row chunk at a time; with
+    ``error``, the squared round-trip error and squared norm of the float rows are added to it."""
     rows, cols = shape
     if slot is None:
-        (slot,) = allocate_packed([(rows, cols)], target.group_size, "cpu", target.fmt, target.scales_dtype)
+        (slot,) = target.fmt.allocate([(rows, cols)], target.group_size)
     step = max(1, LOAD_CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
@@ -86,29 +87,31 @@ def _packed(source: WeightSource, name: str, shape: torch.Size, target: _Target,
         if target.native:
             assert isinstance(source, GGUFSource)
             source.packed_rows_into(name, shape, start, stop, part)
-        else:
-            quantize_into(source.rows(name, shape, start, stop), target.fmt, target.group_size, part)
+            continue
+        chunk = source.rows(name, shape, start, stop)
+        target.fmt.quantize_into(chunk, target.group_size, part)
+        if error is not None:
+            error[0] += float(target.fmt.dequantize(part, target.group_size, torch.float32).sub_(chunk).square().sum())
+            error[1] += float(chunk.square().sum())
     return slot
 
 
 def _allocate(shapes: dict[int, tuple[int, int]], targets: dict[int, _Target]) -> dict[int, Packed]:
-    """One buffer per stored format (see allocate_packed), a slot per weight."""
+    """One buffer per stored format (see StoredFormat.allocate), a slot per weight."""
     by_format: dict[_Target, list[int]] = defaultdict(list)
     for key, target in targets.items():
         by_format[target].append(key)
     slots: dict[int, Packed] = {}
     for target, keys in by_format.items():
-        packed = allocate_packed([shapes[k] for k in keys], target.group_size, "cpu", target.fmt, target.scales_dtype)
-        slots.update(zip(keys, packed))
+        slots.update(zip(keys, target.fmt.allocate([shapes[k] for k in keys], target.group_size)))
     return slots
 
 
-def _describe(targets: dict[int, _Target], source: WeightSource) -> str:
-    """E.g. ``210 x int4_asym/32 (GGUF blocks as they are), 1 x int8/32 (GGUF blocks as they are)``."""
-    counts = Counter(targets.values())
-    where = "GGUF blocks as they are" if isinstance(source, GGUFSource) else ""
-    parts = [f"{n} x {t.fmt}/{t.group_size} ({where if t.native else 'quantized from float'})" for t, n in counts.items()]
-    return ", ".join(parts)
+def _describe(targets: dict[int, _Target], source_types: dict[int, str]) -> str:
+    """E.g. ``168 x q5_0/32 (GGUF Q5_0 as it is), 16 x q4_k/32 (GGUF Q4_K as it is), 1 x int4_asym/32 (from F16)``."""
+    counts = Counter((t.fmt.name, t.group_size, t.native, source_types.get(key)) for key, t in targets.items())
+    return ", ".join(f"{n} x {fmt}/{group} (" + (f"GGUF {kind} as it is" if native else f"from {kind or 'float'}") + ")"
+                     for (fmt, group, native, kind), n in counts.items())
 
 
 def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
@@ -192,6 +195,8 @@ def load_float(
     model = _meta_model(model_config, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     _load_float_params(model, _weight_source(model, model_config, kind, path, reader, seed), names, dtype)
+    if reader is not None:
+        reader.close()
     trim_heap()
     return model
 
@@ -246,12 +251,17 @@ def load_compressed(
     targets = find_targets(model, found, config)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
     weight_source = _weight_source(model, model_config, kind, path, reader, seed)
+    unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
+    formats = {key: _target_format(weight_source, names[key], config) for key in unique}
+    check_group_sizes(targets, {name: formats[id(m.weight)].group_size for name, m in targets.items()})
+    source_types = ({key: weight_source.tensor_type(names[key]) for key in unique}
+                    if isinstance(weight_source, GGUFSource) else {})
+    log.info("load_compressed: %s: %s", path or "random init", _describe(formats, source_types))
+    requantized = {key for key, kind in source_types.items() if not formats[key].native and kind not in FLOAT_TYPES}
+    error = [0.0, 0.0]
 
     shared: dict[int, Packed] = {}
     store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, torch.device("cpu"), config.offload_dir) else None
-    unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
-    formats = {key: _target_format(weight_source, names[key], config) for key in unique}
-    log.info("load_compressed: %s", _describe(formats, weight_source))
     # In RAM, all codes of a format share one allocation (see allocate_packed); mapped, each goes to its file.
     slots = _allocate(unique, formats) if store is None else {}
     compressed: dict[str, nn.Module] = {}
@@ -259,7 +269,8 @@ def load_compressed(
         key = id(module.weight)
         target = formats[key]
         if key not in shared:
-            shared[key] = _packed(weight_source, names[key], module.weight.shape, target, slots.get(key))
+            measured = error if key in requantized else None
+            shared[key] = _packed(weight_source, names[key], module.weight.shape, target, slots.get(key), measured)
             if store is not None:
                 shared[key] = store.map(shared[key])
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -269,6 +280,26 @@ def load_compressed(
         setattr(model.get_submodule(parent) if parent else model, child, new)
         compressed[target_name] = new
     _load_float_params(model, weight_source, names, dtype)
-    del weight_source, reader, shared
+    if requantized:
+        _warn_requantized({key: source_types[key] for key in requantized}, formats, error, path)
+    del weight_source, shared
+    if reader is not None:
+        reader.close()
     trim_heap()  # the float row chunks were freed; do not keep their pages resident
-    return finish_conversion(model, find_blocks(model), compressed, config, store)
+    model = finish_conversion(model, find_blocks(model), compressed, config, store)
+    mebp_state(model).source = path  # type: ignore[union-attr]
+    return model
+
+
+def _warn_requantized(source_types: dict[int, str], formats: dict[int, _Target], error: list[float], path: str | None) -> None:
+    by_type = ", ".join(f"{n} x {kind}" for kind, n in sorted(Counter(source_types.values()).items()))
+    into = ", ".join(sorted({f"{formats[key].fmt.name}/{formats[key].group_size}" for key in source_types}))
+    relative = (error[0] / error[1]) ** 0.5 if error[1] > 0 else 0.0
+    warnings.warn(
+        f"load_compressed: {len(source_types)} quantized GGUF tensor(s) of {path} have no stored format that holds "
+        f"them as they are ({by_type}) and were quantized a second time, to {into}: relative error "
+        f"{relative:.4f} (root of the summed squared error over the summed squared weights, against the file's "
+        "dequantized weights).",
+        UserWarning,
+        stacklevel=3,
+    )

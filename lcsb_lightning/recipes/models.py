@@ -34,12 +34,14 @@ SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-files"
 
 @dataclass
 class ModelBundle:
-    """A causal LM, its tokenizer (pad and EOS tokens set), its context length and a name for ``summary.json``."""
+    """A causal LM, its tokenizer (pad and EOS tokens set), its context length, and for ``summary.json`` a
+    name and the weight file it was read from (a GGUF; None for a folder, the hub or a random init)."""
 
     model: nn.Module
     tokenizer: Any
     max_positions: int
     name: str
+    weights_file: str | None = None
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
@@ -68,10 +70,11 @@ def _finish_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _bundle(model: nn.Module, tokenizer: Any, name: str) -> ModelBundle:
+def _bundle(model: nn.Module, tokenizer: Any, name: str, weights_file: str | Path | None = None) -> ModelBundle:
     model.config.use_cache = False
     max_pos = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
-    return ModelBundle(model=model, tokenizer=_finish_tokenizer(tokenizer), max_positions=max_pos, name=name)
+    return ModelBundle(model=model, tokenizer=_finish_tokenizer(tokenizer), max_positions=max_pos, name=name,
+                       weights_file=str(weights_file) if weights_file is not None else None)
 
 
 def default_cache_dir() -> Path:
@@ -146,10 +149,15 @@ def load_weights(source: str | Path, mebp: Any = None, dtype: str = "float32", m
     beside the compressed one, and no float copy is written to disk."""
     from lcsb_lightning.mebp.loading import load_compressed, load_float
 
+    from lcsb_lightning.mebp.convert import stored_formats
+
     config = _mebp_config(mebp)
     if config is None:
         return load_float(source, dtype=_dtype(dtype), model_config=model_config, seed=seed)
-    return load_compressed(source, config, dtype=_dtype(dtype), model_config=model_config, seed=seed)
+    model = load_compressed(source, config, dtype=_dtype(dtype), model_config=model_config, seed=seed)
+    log.info("model weights: %s, stored as %s", source if isinstance(source, (str, Path)) else "random init",
+             ", ".join(f"{n} x {fmt}" for fmt, n in stored_formats(model).items()))
+    return model
 
 
 SOURCES = ("auto", "hub", "gguf")
@@ -201,16 +209,19 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
 
     With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the model is
     built compressed, block by block, from the file (:func:`~lcsb_lightning.mebp.load_compressed`):
-    the float model never exists. With ``fmt="auto"`` the GGUF's Q4_1 matrices and Q8_0 embedding are
-    kept as they are, so the compressed model computes what the float one computes.
+    the float model never exists. With ``fmt="auto"`` and the GGUF file installed, ``source="auto"`` reads
+    the GGUF (not the hub's float weights): its Q4_1 matrices and Q8_0 embedding are kept as they are, so
+    the compressed model computes what the float one computes, online or not.
 
     Raises:
         OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
     """
     if source not in SOURCES:
         raise ValueError(f"model.source={source!r} is not supported; allowed: {', '.join(SOURCES)}")
-    _mebp_config(mebp)  # a bad option fails before any loading
+    config = _mebp_config(mebp)  # a bad option fails before any loading
     why_not_hub = ""
+    if source == "auto" and config is not None and config.fmt == "auto" and _smollm2_gguf_installed():
+        source, why_not_hub = "gguf", "mebp fmt=auto keeps a GGUF's own blocks"
     if source in ("auto", "hub"):
         offline = hub_unreachable()
         try:
@@ -235,11 +246,18 @@ def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str 
     files = root / SMOLLM2_CACHE_NAME
     if not (files / "COMPLETE").is_file():
         cache_gguf_files(gguf, files)
-    model = load_weights(gguf, mebp, dtype, model_config=AutoConfig.from_pretrained(str(files)))
+    model = load_weights(gguf, config, dtype, model_config=AutoConfig.from_pretrained(str(files)))
     tokenizer = AutoTokenizer.from_pretrained(str(files))
     log.info("model: SmolLM2-135M-Instruct from the %s package's Q4_1 GGUF (%s)%s", SMOLLM2_DIST,
              "dequantized" if mebp is None else "compressed", f"; {why_not_hub}" if why_not_hub else "")
-    return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)")
+    return _bundle(model, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF)", gguf)
+
+
+def _smollm2_gguf_installed() -> bool:
+    try:
+        return smollm2_gguf_path().is_file()
+    except FileNotFoundError:
+        return False
 
 
 def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32",
@@ -257,7 +275,7 @@ def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str 
         from lcsb_lightning.mebp import MeBPConfig
 
         model, tokenizer = load_smollm2()  # then get_peft_model(model, LoraConfig(...))
-        model, tokenizer = load_smollm2(mebp=MeBPConfig(fmt="auto"))  # 4-bit, the GGUF's own blocks
+        model, tokenizer = load_smollm2(mebp=MeBPConfig(fmt="auto"))  # the GGUF's own blocks (int4_asym/32 elsewhere)
     """
     bundle = smollm2_135m(source, cache_dir, dtype, mebp)
     return bundle.model, bundle.tokenizer
@@ -281,7 +299,7 @@ def from_pretrained(
 
     With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the weights are
     read tensor by tensor straight into compressed form (:func:`~lcsb_lightning.mebp.load_compressed`;
-    a hub id is downloaded as files first): the float model never exists."""
+    a hub id is downloaded as files first, ``gguf_file`` among them): the float model never exists."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.endswith(".gguf") and gguf_file is None:
@@ -294,20 +312,25 @@ def from_pretrained(
         extra["gguf_file"] = gguf_file
     tok_extra = {"local_files_only": local_files_only} if tokenizer else extra
     if _mebp_config(mebp) is not None:
+        from transformers import AutoConfig
+
         folder = name_or_path
         if not Path(folder).is_dir():
             from huggingface_hub import snapshot_download
 
-            folder = snapshot_download(name_or_path, allow_patterns=_HUB_FILES, local_files_only=local_files_only)
+            patterns = [*_HUB_FILES, gguf_file] if gguf_file else _HUB_FILES
+            folder = snapshot_download(name_or_path, allow_patterns=patterns, local_files_only=local_files_only)
         source = Path(folder) / gguf_file if gguf_file else Path(folder)
-        model = load_weights(source, mebp, dtype)
-        tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
-        return _bundle(model, tok, Path(name_or_path).name or name_or_path)
+        config = AutoConfig.from_pretrained(folder, **{**extra, "local_files_only": True})
+        model = load_weights(source, mebp, dtype, model_config=config)
+        tok = (AutoTokenizer.from_pretrained(tokenizer, **tok_extra) if tokenizer
+               else AutoTokenizer.from_pretrained(folder, **{**extra, "local_files_only": True}))
+        return _bundle(model, tok, Path(name_or_path).name or name_or_path, source if gguf_file else None)
     # transformers does not hand local_files_only on to its look-up of a peft adapter, which would retry the hub.
     adapter = {"adapter_kwargs": {"local_files_only": True}} if local_files_only else {}
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra, **adapter)
     tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
-    return _bundle(model, tok, Path(name_or_path).name or name_or_path)
+    return _bundle(model, tok, Path(name_or_path).name or name_or_path, Path(name_or_path) / gguf_file if gguf_file else None)
 
 
 def random_init(

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.heap_trim import HeapTrim
 from lcsb_lightning.process_memory import RunMemory
+from lcsb_lightning.mebp.convert import stored_formats
 from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
 from lcsb_lightning.recipes.best_adapter import BestAdapter
@@ -322,6 +323,8 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     train_seconds = timer.total_seconds or fit_seconds
     summary: dict[str, Any] = {
         "model": prepared.bundle.name,
+        "model_file": prepared.bundle.weights_file,  # the GGUF read, if any, and its formats as stored (mebp)
+        "stored_formats": stored_formats(module.model),
         "task": type(prepared.task).__name__,
         "task_kind": prepared.task.kind,
         "policy": type(lcsb.policy).__name__ if lcsb is not None else None,

@@ -99,9 +99,10 @@ class GGUFFile:
         from gguf.quants import quant_shape_to_byte_shape
 
         self.path = os.fspath(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        cursor = _Cursor(self._map)
-        if bytes(self._map[:4]) != _MAGIC:
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._map: np.memmap | None = mapped
+        cursor = _Cursor(mapped)
+        if bytes(mapped[:4]) != _MAGIC:
             raise ValueError(f"{self.path!r} is not a GGUF file (no GGUF magic)")
         cursor.at = 4
         version = cursor.scalar("<I")
@@ -124,13 +125,23 @@ class GGUFFile:
             block_size, type_size = GGML_QUANT_SIZES[qtype]
             count = int(np.prod(dims)) if dims else 1
             nbytes = count * type_size // block_size
-            raw = self._map[start + offset : start + offset + nbytes]
+            raw = mapped[start + offset : start + offset + nbytes]
             shape = tuple(reversed(dims))
             if qtype.name in _ELEMENT_TYPES:
                 data = raw.view(_ELEMENT_TYPES[qtype.name]).reshape(shape)
             else:
                 data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
             self.tensors.append(Tensor(name, qtype, dims, data))
+
+    def close(self) -> None:
+        """Drop the memory map and the tensors' views of it: the file is unmapped once no other view is alive."""
+        self.tensors, self._map = [], None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_field(self, key: str) -> Field | None:
         """The metadata value ``key`` (arrays as :class:`ArrayField`), as ``gguf.GGUFReader.get_field`` names it."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lcsb_lightning.mebp._internal.formats import Packed
-from lcsb_lightning.mebp._internal.gguf_blocks import native_format, read_blocks_into
+from lcsb_lightning.mebp._internal.gguf_blocks import GGUFBlocks, gguf_format
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "gemma2", "gemma3")
 #: Largest number of weights dequantized in one ``gguf.quants.dequantize`` call (256 KiB of float32).
 DEQUANTIZE_ELEMENTS = 1 << 16
+#: GGUF tensor types that hold floats: quantizing them is no second quantization.
+FLOAT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "F64")
 
 
 class WeightSource(Protocol):
@@ -245,9 +247,13 @@ class GGUFSource:
             raise KeyError(f"Parameter `{name}` has no tensor in the GGUF file.")
         return self.tensors[name]
 
-    def native_format(self, name: str) -> str | None:
-        """The stored format parameter ``name``'s GGUF blocks are taken into as they are (None: read as floats)."""
-        return native_format(self._tensor(name).tensor_type.name)
+    def tensor_type(self, name: str) -> str:
+        """The GGUF type of parameter ``name``'s tensor (``"Q4_K"``, ``"F16"``, ...)."""
+        return str(self._tensor(name).tensor_type.name)
+
+    def native_format(self, name: str) -> GGUFBlocks | None:
+        """The stored format that holds parameter ``name``'s GGUF blocks as they are (None: read as floats)."""
+        return gguf_format(self.tensor_type(name))
 
     def packed_rows_into(self, name: str, shape: torch.Size, start: int, stop: int, out: Packed) -> None:
         """Rows ``start:stop`` of parameter ``name``, copied block by block into the stored slot ``out``
@@ -255,7 +261,7 @@ class GGUFSource:
         tensor = self._tensor(name)
         index = self._file_rows(name, shape[0], start, stop)
         raw = tensor.data[start:stop] if index is None else tensor.data[index]
-        read_blocks_into(raw, tensor.tensor_type.name, out)
+        gguf_format(tensor.tensor_type.name).read_gguf(raw, out)  # type: ignore[union-attr]
 
     def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of parameter ``name`` (the whole tensor for 1-D shapes) as float32."""
