@@ -105,20 +105,23 @@ class GGUFFile:
         if bytes(mapped[:4]) != _MAGIC:
             raise ValueError(f"{self.path!r} is not a GGUF file (no GGUF magic)")
         cursor.at = 4
-        version = cursor.scalar("<I")
+        self.version = version = cursor.scalar("<I")
         if version not in (2, 3):
             raise ValueError(f"{self.path!r}: GGUF version {version} is not supported (2 and 3 little-endian are)")
         tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
         self.fields: dict[str, Any] = {}
+        metadata_start = cursor.at
         for _ in range(kv_count):
             key = cursor.string()
             self.fields[key] = cursor.value(cursor.scalar("<I"))
+        #: Byte range of the metadata key-value pairs, as stored (a merged file copies it unchanged).
+        self.metadata_span = (metadata_start, cursor.at)
         infos = []
         for _ in range(tensor_count):
             name = cursor.string()
             dims = tuple(cursor.scalar("<Q") for _ in range(cursor.scalar("<I")))
             infos.append((name, dims, GGMLQuantizationType(cursor.scalar("<I")), cursor.scalar("<Q")))
-        alignment = int(self.fields.get("general.alignment", 32))
+        self.alignment = alignment = int(self.fields.get("general.alignment", 32))
         start = -(-cursor.at // alignment) * alignment
         self.tensors: list[Tensor] = []
         for name, dims, qtype, offset in infos:
