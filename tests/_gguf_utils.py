@@ -22,10 +22,7 @@ def smollm2_q4_1() -> Path:
 
 def llama_quantize(source: Path, target: Path, ftype_name: str) -> Path:
     """``target``: ``source`` requantized by llama.cpp (``llama_model_quantize``) to ``LLAMA_FTYPE_<ftype_name>``."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs `pip install llama-cpp-python==0.3.36`")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype_name}")
-    params.allow_requantize = True
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed on {source} -> {ftype_name}")
-    return target
+    pytest.importorskip("llama_cpp", reason="needs `pip install llama-cpp-python==0.3.36`")
+    from lcsb_lightning.export.llama_cpp import requantize
+
+    return requantize(source, target, ftype_name)

@@ -19,7 +19,7 @@ from lcsb_lightning.export import gguf_lora, save_gguf_adapter, save_merged_gguf
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile  # noqa: E402
 from lcsb_lightning.mebp._internal.sources import GGUFSource  # noqa: E402
 from lcsb_lightning.mebp.loading import load_float  # noqa: E402
-from tests._mebp_utils import gguf_model, write_tiny_gguf  # noqa: E402
+from _mebp_utils import gguf_model, write_tiny_gguf  # noqa: E402
 
 
 def _lora(model: nn.Module, seed: int = 1, **config: Any) -> nn.Module:

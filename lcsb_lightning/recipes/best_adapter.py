@@ -46,6 +46,8 @@ class BestAdapter(L.Callback):
         path: The folder of the best adapter (``PeftModel.from_pretrained(path)`` loads it).
         monitor: The logged metric to compare (``"val/loss"``).
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        gguf_base: The base model's GGUF file: each write also writes ``path`` + ``.gguf``, the adapter as
+            llama.cpp loads it (:func:`~lcsb_lightning.recipes.outputs.save_adapter`).
 
     Example::
 
@@ -54,7 +56,8 @@ class BestAdapter(L.Callback):
         True
     """
 
-    def __init__(self, path: str | Path, monitor: str = "val/loss", mode: str = "min") -> None:
+    def __init__(self, path: str | Path, monitor: str = "val/loss", mode: str = "min",
+                 gguf_base: str | Path | None = None) -> None:
         if not isinstance(path, (str, Path)) or not str(path):
             raise ValueError(f"BestAdapter(path={path!r}): allowed: a folder to write the best adapter to")
         if not isinstance(monitor, str) or not monitor:
@@ -64,6 +67,7 @@ class BestAdapter(L.Callback):
         self.path = Path(path)
         self.monitor = monitor
         self.mode = mode
+        self.gguf_base = gguf_base
         self.best_value: float | None = None
         self.best_step: int | None = None
         self._writes = True
@@ -79,7 +83,7 @@ class BestAdapter(L.Callback):
         if not math.isfinite(value) or not self._improves(value):
             return False
         if self._writes:
-            save_adapter(model, self.path)
+            save_adapter(model, self.path, self.gguf_base)
         self.best_value, self.best_step = value, step
         self._to_restore = {}
         return True
@@ -95,7 +99,7 @@ class BestAdapter(L.Callback):
             current = {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()}
             try:
                 set_peft_model_state_dict(model, self._to_restore)
-                save_adapter(model, self.path)
+                save_adapter(model, self.path, self.gguf_base)
             finally:
                 set_peft_model_state_dict(model, current)
         self._to_restore = {}

@@ -26,6 +26,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 # Imported here, before peft: importing lcsb_lightning.mebp installs the filter of bitsandbytes' CPU-kernel notice.
+from lcsb_lightning.export import MERGED_TYPES
 from lcsb_lightning.mebp import MeBPConfig
 from lcsb_lightning.policies import SelectionPolicy
 from lcsb_lightning.recipes.best_adapter import BestAdapter
@@ -154,6 +155,14 @@ def check_mebp(node: Any) -> None:
 
 
 @dataclass
+class ExportConfig:
+    """GGUF out: the base file with the adapter merged in (``merged.gguf``), its adapted tensors' type."""
+
+    merged: bool = False
+    merged_type: str = "F16"
+
+
+@dataclass
 class FinetuneConfig:
     """The composed ``lcsb-finetune`` config (``conf/config.yaml`` and its groups)."""
 
@@ -170,6 +179,7 @@ class FinetuneConfig:
     early_stopping_patience: Optional[int] = None
     keep_activations: Optional[int] = None
     module: ModuleConfig = field(default_factory=lambda: OmegaConf.structured(ModuleConfig))
+    export: ExportConfig = field(default_factory=lambda: OmegaConf.structured(ExportConfig))
     trainer: TrainerConfig = field(default_factory=lambda: _open(TrainerConfig))
     lcsb: Optional[LCSBConfig] = None
     # The group options: nodes of `_target_` objects, each checked by what it builds.
@@ -202,6 +212,8 @@ class FinetuneConfig:
             _at_least(problems, "early_stopping_patience", self.early_stopping_patience, 1)
         if self.keep_activations is not None:
             _at_least(problems, "keep_activations", self.keep_activations, 1)
+        if self.export.merged_type not in MERGED_TYPES:
+            problems.append(f"export.merged_type={self.export.merged_type!r}: allowed: {', '.join(MERGED_TYPES)}")
         _fail(problems)
         if self.best_adapter is not None:
             try:

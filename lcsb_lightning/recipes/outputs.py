@@ -103,7 +103,7 @@ def _check_finite(model: nn.Module) -> None:
         )
 
 
-def save_adapter(model: nn.Module, path: Path) -> Path:
+def save_adapter(model: nn.Module, path: Path, gguf_base: str | Path | None = None) -> Path:
     """Save a peft model's adapter (``save_pretrained``) so that ``path`` always holds a complete adapter.
 
     ``path`` is a real folder, replaced as a checkpoint file is: the adapter is written into a new hidden
@@ -111,9 +111,14 @@ def save_adapter(model: nn.Module, path: Path) -> Path:
     previous adapter in place. The files get the umask's permissions, so the folder copies (``cp -r``,
     ``tar``) and loads (``PeftModel.from_pretrained(path)``) anywhere.
 
+    With ``gguf_base`` (the GGUF file the base model was read from) the adapter is also written as a GGUF
+    adapter beside the folder, ``path`` + ``.gguf``, for llama.cpp
+    (:func:`~lcsb_lightning.export.save_gguf_adapter`).
+
     Args:
         model: A ``peft.PeftModel``.
         path: The adapter's folder.
+        gguf_base: The base model's GGUF file, or None.
 
     Raises:
         TypeError: not a peft model.
@@ -133,6 +138,10 @@ def save_adapter(model: nn.Module, path: Path) -> Path:
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
+    if gguf_base is not None:
+        from lcsb_lightning.export import save_gguf_adapter
+
+        save_gguf_adapter(model, gguf_base, path.with_name(path.name + ".gguf"))
     return path
 
 

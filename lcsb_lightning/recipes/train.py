@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from lcsb_lightning.export import gguf_lora, save_merged_gguf
 from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.heap_trim import HeapTrim
 from lcsb_lightning.process_memory import RunMemory
@@ -52,6 +53,7 @@ RUN_CONFIG_NAME = "run_config.yaml"
 ADAPTER_NAME = "adapter"
 BEST_ADAPTER_NAME = "adapter_best"
 LOSS_CURVE_NAME = "loss_curve.png"
+MERGED_NAME = "merged.gguf"
 
 
 def build(node: Any, **kwargs: Any) -> Any:
@@ -74,6 +76,7 @@ class Prepared:
     bundle: Any  # recipes.models.ModelBundle
     data: TaskData
     module: CausalLMModule
+    gguf_base: str | None = None  # the GGUF file the base model was read from: the run writes GGUF adapters for it
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -91,9 +94,20 @@ def prepare(cfg: DictConfig) -> Prepared:
     log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
     lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
+    gguf_base = bundle.weights_file if bundle.weights_file and bundle.weights_file.endswith(".gguf") else None
+    if gguf_base is not None:
+        gguf_lora(module.model, gguf_base)  # an adapter llama.cpp could not apply is refused before training
+    elif _merges(cfg):
+        raise ValueError(f"export.merged=true merges into the base model's GGUF file, and {bundle.name} was not read "
+                         "from one: allowed: a model read from a GGUF (model.source=gguf, model.gguf_file=...), or false")
     if not uses_mebp(cfg):  # QuantizedMeBP wraps a compressed model's blocks itself
         recompute_lower_blocks(module.model, keep_top=cfg.get("keep_activations"))
-    return Prepared(task, bundle, data, module)
+    return Prepared(task, bundle, data, module, gguf_base)
+
+
+def _merges(cfg: DictConfig) -> bool:
+    """Whether the run writes ``merged.gguf`` (a config saved before 0.10 has no ``export`` node)."""
+    return bool(OmegaConf.select(cfg, "export.merged", default=False))
 
 
 def uses_mebp(cfg: DictConfig) -> bool:
@@ -157,13 +171,15 @@ def mebp_precision(cfg: DictConfig) -> str | None:
     return precision
 
 
-def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> tuple[L.Trainer, Any]:
+def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = (),
+                  gguf_base: str | None = None) -> tuple[L.Trainer, Any]:
     """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
     freezing (``freeze`` group), the check that DDP ranks loaded the same weights, a step timer, throughput logging, the
     ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), early stopping on the same metric
     (``early_stopping_patience``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
     (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
-    checkpoint writes and the QuantizedMeBP plugin (``mebp`` group).
+    checkpoint writes and the QuantizedMeBP plugin (``mebp`` group). With ``gguf_base`` (the base model's GGUF
+    file) the best adapter is written as a GGUF adapter beside its folder too.
 
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
@@ -174,7 +190,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
     callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
-        best = BestAdapter(Path(output_dir) / BEST_ADAPTER_NAME, str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")))
+        best = BestAdapter(Path(output_dir) / BEST_ADAPTER_NAME, str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")),
+                           gguf_base)
         callbacks.append(best)
         if cfg.get("early_stopping_patience") is not None:  # watches what the best adapter is chosen by
             callbacks.append(EarlyStopping(monitor=best.monitor, mode=best.mode, patience=int(cfg.early_stopping_patience),
@@ -286,7 +303,7 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     with memory.phase("load"):
         prepared = prepare(cfg)
         train_loader, eval_loader = make_loaders(prepared.data, cfg, prepared.bundle.tokenizer)
-        trainer, lcsb = build_trainer(cfg, out, extra_callbacks)
+        trainer, lcsb = build_trainer(cfg, out, extra_callbacks, prepared.gguf_base)
     module = prepared.module
 
     initial: dict[str, float] = {}
@@ -346,6 +363,8 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
         "num_blocks": len(lcsb.selection_counts) if lcsb is not None else 0,
         "block_selection_counts": list(lcsb.selection_counts) if lcsb is not None else [],
         "adapter_dir": str(out / ADAPTER_NAME),
+        "gguf": ({"base": prepared.gguf_base, "adapter": str(out / f"{ADAPTER_NAME}.gguf"),
+                  "merged": str(out / MERGED_NAME) if _merges(cfg) else None} if prepared.gguf_base else None),
         "best": ({"monitor": best.monitor, "value": best.best_value, "step": best.best_step,
                   "adapter_dir": str(out / BEST_ADAPTER_NAME)} if best is not None and best.best_step is not None else None),
         "log_dir": str(getattr(trainer.logger, "log_dir", out)),
@@ -355,7 +374,9 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     curve = None
     if trainer.is_global_zero:
         with memory.phase("save"):
-            save_adapter(module.model, out / ADAPTER_NAME)  # adapter_best/: written by BestAdapter at its evaluation
+            save_adapter(module.model, out / ADAPTER_NAME, prepared.gguf_base)  # adapter_best/: by BestAdapter
+            if _merges(cfg):
+                save_merged_gguf(module.model, prepared.gguf_base, out / MERGED_NAME, str(cfg.export.merged_type))
         with memory.phase("plots"):
             curve = write_loss_curve(summary["log_dir"], out / LOSS_CURVE_NAME)
     # Measured to here (the summary's own write is a few KB); the whole-process peak is the kernel's.
