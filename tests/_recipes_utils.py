@@ -104,6 +104,21 @@ def write_qa(tmp: Path) -> tuple[Path, Path]:
     return train, evals
 
 
+#: ChatML for the tiny model's byte tokenizer, which has no chat template; ``</s>`` ends a turn.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_chat(tmp: Path) -> tuple[Path, Path]:
+    """Small conversations (``{"messages": [user, assistant]}``) and a ChatML template file for the tiny model."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+            for a in range(6) for b in range(4)]
+    path, template = tmp / "chats.jsonl", tmp / "chatml.jinja"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template.write_text(CHATML)
+    return path, template
+
+
 def write_cls(tmp: Path) -> tuple[Path, Path]:
     """Small SST-2-style TSV files with a header ``sentence<TAB>label``."""
     good = ["a great film", "truly lovely", "warm and funny", "a joy to watch"]

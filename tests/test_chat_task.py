@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _recipes_utils import FAST, SHARED_DATA, compose_cfg, one_thread  # noqa: F401
+from _recipes_utils import CHATML, FAST, SHARED_DATA, compose_cfg, one_thread  # noqa: F401
 from hydra.utils import instantiate
 
 from lcsb_lightning.recipes import models
@@ -18,9 +18,6 @@ from lcsb_lightning.recipes.tasks import ChatTask, chat
 from lcsb_lightning.recipes.train import prepare, run_finetune
 
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
-#: ChatML for the tiny model's byte tokenizer, which has no chat template; ``</s>`` ends a turn.
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def gsm8k_rows(count: int) -> list[dict[str, str]]:

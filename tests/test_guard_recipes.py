@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from _recipes_utils import FAST, SHARED_DATA, compose_cfg, one_thread, write_cls, write_qa, write_text  # noqa: F401
+from _recipes_utils import FAST, SHARED_DATA, compose_cfg, one_thread, write_chat, write_cls, write_qa, write_text  # noqa: F401
 from lcsb_lightning.recipes.train import run_finetune
 
 CONF_TASKS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "task").glob("*.yaml"))
@@ -37,6 +37,9 @@ def _task_overrides(name: str, tmp_path: Path) -> list[str]:
         train, evals = write_qa(tmp_path)
         return ["task=qa_jsonl", f"task.train_file={train}", f"task.eval_file={evals}", "task.num_generate=1", "seq_len=64",
                 "task.max_new_tokens=2"]
+    if name == "chat":
+        chats, template = write_chat(tmp_path)
+        return ["task=chat", f"task.path={chats}", f"task.chat_template={template}", "seq_len=64"]
     raise AssertionError(f"conf/task/{name}.yaml has no case here: add one")
 
 
