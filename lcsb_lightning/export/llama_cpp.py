@@ -31,6 +31,26 @@ def _without_extra_buffers(default: Callable[[], Any]) -> Callable[[], Any]:
     return params
 
 
+def load_llama(model_path: str | os.PathLike[str], lora_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(model_path, lora_path=lora_path, **kwargs)`` with llama.cpp's extra CPU buffer types off.
+
+    Example::
+
+        >>> llm = load_llama("SmolLM2-135M-Instruct.Q4_1.gguf", "adapter.gguf")  # doctest: +SKIP
+        >>> llm.create_chat_completion([{"role": "user", "content": "What is 12 * 7?"}])  # doctest: +SKIP
+    """
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_module.llama_cpp.llama_model_default_params
+    llama_module.llama_cpp.llama_model_default_params = _without_extra_buffers(default)  # read in Llama.__init__
+    try:
+        return llama_cpp.Llama(model_path=os.fspath(model_path), lora_path=os.fspath(lora_path) if lora_path else None,
+                               **{"verbose": False, **kwargs})
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = default
+
+
 def llama_cpp_logits(model_path: str | os.PathLike[str], tokens: list[int], lora_path: str | os.PathLike[str] | None = None,
                      threads: int | None = None) -> np.ndarray:
     """llama.cpp's logits ``(len(tokens), vocab)`` for ``tokens`` through ``model_path`` (and the adapter ``lora_path``).
@@ -39,17 +59,8 @@ def llama_cpp_logits(model_path: str | os.PathLike[str], tokens: list[int], lora
 
         >>> logits = llama_cpp_logits("SmolLM2-135M-Instruct.Q4_1.gguf", [1, 2, 3], "adapter.gguf")  # doctest: +SKIP
     """
-    import llama_cpp
-    import llama_cpp.llama as llama_module
-
-    default = llama_module.llama_cpp.llama_model_default_params
-    llama_module.llama_cpp.llama_model_default_params = _without_extra_buffers(default)  # read in Llama.__init__
-    try:
-        llm = llama_cpp.Llama(model_path=os.fspath(model_path), lora_path=os.fspath(lora_path) if lora_path else None,
-                              logits_all=True, n_ctx=max(len(tokens), 8), n_batch=max(len(tokens), 8), verbose=False,
-                              n_threads=threads or os.cpu_count(), type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32)
-    finally:
-        llama_module.llama_cpp.llama_model_default_params = default
+    llm = load_llama(model_path, lora_path, logits_all=True, n_ctx=max(len(tokens), 8), n_batch=max(len(tokens), 8),
+                     n_threads=threads or os.cpu_count(), type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)], dtype=np.float32)
