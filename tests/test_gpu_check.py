@@ -196,7 +196,8 @@ def test_on_cuda_arm_trains_in_bf16(name: str, tiny_folder: Path) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_nf4_codes_made_on_cpu_decode_alike(dtype: torch.dtype) -> None:
-    from lcsb_lightning.mebp._internal.formats import Packed, get_format
+    from lcsb_lightning.mebp._internal.formats import get_format
+    from lcsb_lightning.mebp._internal.stored import Packed
 
     nf4 = get_format("nf4")
     packed = nf4.quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)), 64)  # as load_compressed

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lcsb_lightning.mebp._internal.formats import Packed
+from lcsb_lightning.mebp._internal.stored import Packed
 from lcsb_lightning.mebp._internal.storage import MappedWeights, mmap_supported
 
 pytestmark = pytest.mark.skipif(not mmap_supported(), reason="weights='mmap' needs madvise (Linux/macOS)")

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import FORMATS, get_format, select_rows, validate_format
+from lcsb_lightning.mebp._internal.formats import FORMATS, get_format, validate_format
+from lcsb_lightning.mebp._internal.stored import select_rows
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 
 

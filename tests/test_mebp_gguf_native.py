@@ -12,8 +12,7 @@ import torch
 from _mebp_utils import gguf_model, tokens, write_tiny_gguf
 
 from lcsb_lightning.mebp import load_compressed, load_float
-from lcsb_lightning.mebp._internal.formats import get_format
-from lcsb_lightning.mebp._internal.gguf_blocks import gguf_format
+from lcsb_lightning.mebp._internal.formats import get_format, gguf_format
 from lcsb_lightning.mebp._internal.gguf_file import ArrayField, GGUFFile
 from lcsb_lightning.mebp.compressed import CompressedEmbedding, CompressedLinear
 

@@ -54,7 +54,7 @@ def test_map_large_allocations_acts_before_the_conversion_allocates(monkeypatch:
                                                                     fresh_heap_state: Any, load: bool) -> None:
     """The threshold applies only to what the heap's free space cannot serve: it must come first."""
     from lcsb_lightning.mebp import loading
-    from lcsb_lightning.mebp._internal.formats import StoredFormat
+    from lcsb_lightning.mebp._internal.stored import StoredFormat
 
     events: list[str] = []
     monkeypatch.setattr(heap, "_glibc", lambda name: (lambda *args: events.append("mallopt") or 1) if name == "mallopt" else None)

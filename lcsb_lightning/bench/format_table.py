@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lcsb_lightning.mebp._internal.formats import get_format
-from lcsb_lightning.mebp._internal.gguf_blocks import gguf_format
+from lcsb_lightning.mebp._internal.formats import get_format, gguf_format
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format, select_rows
+from lcsb_lightning.mebp._internal.formats import get_format
+from lcsb_lightning.mebp._internal.stored import Packed, StoredFormat, select_rows
 from lcsb_lightning.mebp._internal.stats import MeBPStats, checkpointed, recomputing
 from lcsb_lightning.mebp._internal.storage import MappedWeights
 from lcsb_lightning.mebp._internal.workspace import DecompressionWorkspace

@@ -12,7 +12,8 @@ from torch import nn
 
 from lcsb_lightning.blocks import BlocksSpec, find_blocks, unwrap_model
 from lcsb_lightning.mebp._internal.checkpoint import install_block_wrappers
-from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format
+from lcsb_lightning.mebp._internal.formats import get_format
+from lcsb_lightning.mebp._internal.stored import Packed, StoredFormat
 from lcsb_lightning.mebp._internal.heap import map_large_allocations
 from lcsb_lightning.mebp._internal.offload import MmapOffload
 from lcsb_lightning.mebp._internal.stats import MeBPStats

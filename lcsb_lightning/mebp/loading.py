@@ -27,7 +27,8 @@ from torch import nn
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
 from lcsb_lightning.mebp.convert import check_group_sizes, compressed_twin, finish_conversion, find_targets, mebp_state
-from lcsb_lightning.mebp._internal.formats import Packed, StoredFormat, get_format, select_rows
+from lcsb_lightning.mebp._internal.formats import get_format
+from lcsb_lightning.mebp._internal.stored import Packed, StoredFormat, select_rows
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, trim_heap
 from lcsb_lightning.mebp._internal.storage import MappedWeights, maps_at_conversion
 from lcsb_lightning.mebp._internal.sources import FLOAT_TYPES, GGUFSource, RandomSource, SafetensorsSource, WeightSource, open_gguf

@@ -31,15 +31,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from lcsb_lightning.mebp._internal.formats import _REGISTRY, Packed, StoredFormat
+from lcsb_lightning.mebp._internal.stored import Packed, StoredFormat
 
 #: Blocks whose sub-block scales are taken apart at once by :func:`_factor` (bounds its temporaries).
 _FACTOR_BLOCKS = 1024
-
-
-def gguf_format(type_name: str) -> GGUFBlocks | None:
-    """The stored format holding GGUF tensor type ``type_name`` as it is, or None (read as floats instead)."""
-    return next((f for f in _REGISTRY.values() if isinstance(f, GGUFBlocks) and f.gguf_type == type_name), None)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:

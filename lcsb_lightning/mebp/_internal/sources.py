@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lcsb_lightning.mebp._internal.formats import Packed
-from lcsb_lightning.mebp._internal.gguf_blocks import GGUFBlocks, gguf_format
+from lcsb_lightning.mebp._internal.formats import gguf_format
+from lcsb_lightning.mebp._internal.gguf_blocks import GGUFBlocks
+from lcsb_lightning.mebp._internal.stored import Packed
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
 
 if TYPE_CHECKING:
