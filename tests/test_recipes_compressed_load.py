@@ -63,7 +63,7 @@ def test_the_4bit_recipe_builds_the_model_compressed_from_the_file(tmp_path: Pat
     prepared = prepare(compose_cfg(_run_overrides(cache, "auto")))
     model = prepared.bundle.model
     state = mebp_state(model)
-    assert state is not None and {m.fmt for m in state.compressed_modules.values()} == {"int4_asym", "int8"}
+    assert state is not None and {m.fmt.name for m in state.compressed_modules.values()} == {"int4_asym", "q8_0"}
     # What stays float: the norms (320 weights), not a single weight matrix (the matrices hold 77k weights).
     assert _float_elements(model) < 1_000
     batch = {"input_ids": torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(0))}
