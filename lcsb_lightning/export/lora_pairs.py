@@ -127,7 +127,7 @@ def _tensor_names(model: nn.Module, layers: dict[str, nn.Module], reader: GGUFFi
     """``{module name: base tensor name}``; a module with no 2-D tensor of its shape in the file is refused."""
     import gguf
 
-    from lcsb_lightning.mebp._internal.sources import _gguf_name, gguf_architecture
+    from lcsb_lightning.mebp._internal.sources import gguf_tensor_name, gguf_architecture
 
     arch = gguf_architecture(reader)
     blocks = int(reader.get_field(f"{arch}.block_count").contents())
@@ -136,7 +136,7 @@ def _tensor_names(model: nn.Module, layers: dict[str, nn.Module], reader: GGUFFi
     shapes = {tensor.name: tuple(int(d) for d in tensor.shape) for tensor in reader.tensors}
     names = {}
     for name, layer in layers.items():
-        tensor = _gguf_name(name_map, f"{name}.weight")
+        tensor = gguf_tensor_name(name_map, f"{name}.weight")
         if tensor is None or tensor not in shapes:
             why = ("the base file ties the LM head to `token_embd.weight` (it has no `output.weight`)"
                    if tensor == "output.weight" else f"the base file has no tensor `{tensor}` for it")

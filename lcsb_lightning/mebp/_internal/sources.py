@@ -142,7 +142,7 @@ def gguf_quant_types() -> tuple[str, ...]:
     return tuple(qtype.name for qtype in gguf.GGMLQuantizationType if _dequantizable(qtype))
 
 
-def _gguf_name(name_map: TensorNameMap, hf_name: str) -> str | None:
+def gguf_tensor_name(name_map: TensorNameMap, hf_name: str) -> str | None:
     """GGUF tensor name of HF parameter ``hf_name`` (``None`` if the architecture has none).
 
     Like transformers' loader, names relative to each submodule are tried too (``model.x`` -> ``x``).
@@ -196,7 +196,7 @@ class GGUFSource:
         self.tensors: dict[str, ReaderTensor] = {}
         missing: list[str] = []
         for group in groups.values():
-            found = [by_name[g] for g in (_gguf_name(name_map, n) for n, _ in group) if g in by_name]
+            found = [by_name[g] for g in (gguf_tensor_name(name_map, n) for n, _ in group) if g in by_name]
             if not found:
                 missing.extend(n for n, _ in group)
             for name, shape in group:
