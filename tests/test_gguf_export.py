@@ -208,3 +208,18 @@ def test_merged_rejects_an_unknown_type_before_writing(base_file: tuple[Path, nn
     with pytest.raises(ValueError, match="tensor_type='Q4_K'"):
         save_merged_gguf(_lora(model), path, tmp_path / "merged.gguf", tensor_type="Q4_K")
     assert not (tmp_path / "merged.gguf").exists()
+
+
+def test_the_export_closes_the_base_file_it_opened(base_file: tuple[Path, nn.Module], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcsb_lightning.export import check_gguf_lora
+
+    path, model = base_file
+    peft_model = _lora(model)
+    closed: list[str] = []
+    original = GGUFFile.close
+    monkeypatch.setattr(GGUFFile, "close", lambda self: (closed.append(self.path), original(self))[1])
+    check_gguf_lora(peft_model, path)
+    save_gguf_adapter(peft_model, path, tmp_path / "adapter.gguf")
+    save_merged_gguf(peft_model, path, tmp_path / "merged.gguf")
+    assert closed == [str(path)] * 3

@@ -19,6 +19,7 @@ import numpy as np
 from torch import nn
 
 from lcsb_lightning.export.lora_pairs import GGUFLora, gguf_lora
+from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
 
 #: Tensor types a merged tensor can be stored in.
 MERGED_TYPES: tuple[str, ...] = ("F16", "Q8_0")
@@ -154,8 +155,14 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | os.PathLike[str], path: 
     if tensor_type not in MERGED_TYPES:
         raise ValueError(f"`tensor_type={tensor_type!r}` is not supported; choose one of {', '.join(map(repr, MERGED_TYPES))}.")
     target = gguf.GGMLQuantizationType[tensor_type]
-    base = open_gguf(base_gguf)
-    lora = gguf_lora(model, base, adapter_name)
+    with open_gguf(base_gguf) as base:
+        return _write_merged(gguf_lora(model, base, adapter_name), base, Path(path), target)
+
+
+def _write_merged(lora: GGUFLora, base: GGUFFile, path: Path, target: object) -> Path:
+    """The merged file: ``base``'s metadata bytes, tensor table with the adapted tensors' new type, then data."""
+    import gguf
+
     pairs = {pair.gguf_name: pair for pair in lora.pairs}
     block_size, type_size = gguf.GGML_QUANT_SIZES[target]
     entries = []  # (tensor, its new type, its size in bytes)
@@ -170,7 +177,7 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | os.PathLike[str], path: 
         infos.append(_tensor_info(tensor.name, tuple(int(d) for d in tensor.shape), int(qtype), offset))
         offset += -(-nbytes // align) * align
     start, stop = base.metadata_span
-    with _atomic_file(Path(path)) as out:
+    with _atomic_file(path) as out:
         out.write(b"GGUF" + struct.pack("<IQQ", base.version, len(entries), len(base.fields)))
         out.write(memoryview(base._map[start:stop]))
         out.write(b"".join(infos))
@@ -185,7 +192,7 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | os.PathLike[str], path: 
                 raise AssertionError(f"{tensor.name}: {raw.nbytes} bytes, expected {nbytes}")
             out.write(memoryview(raw))
             _pad(out, align)
-    return Path(path)
+    return path
 
 
 def _pad(handle: BinaryIO, align: int) -> None:

@@ -11,8 +11,10 @@ reads the base model; B's rows, which are the base tensor's rows, get the conver
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,6 +93,17 @@ def _layer_refusals(name: str, layer: nn.Module, adapter_name: str) -> list[str]
     return refusals
 
 
+def check_gguf_lora(model: nn.Module, base: str | os.PathLike[str] | GGUFFile, adapter_name: str = "default") -> None:
+    """Refuse, before any training, an adapter that llama.cpp could not apply to ``base`` as trained; arguments
+    as in :func:`gguf_lora`. Reads the file's tensor table only and copies no weight.
+
+    Raises:
+        ValueError: as :func:`gguf_lora`.
+    """
+    with _open(base) as reader:
+        _checked(model, reader, adapter_name)
+
+
 def gguf_lora(model: nn.Module, base: str | os.PathLike[str] | GGUFFile, adapter_name: str = "default") -> GGUFLora:
     """The pairs of ``model``'s LoRA adapter ``adapter_name`` for the base GGUF file ``base``.
 
@@ -105,10 +118,26 @@ def gguf_lora(model: nn.Module, base: str | os.PathLike[str] | GGUFFile, adapter
             head on a tied embedding, embedding adapters, added tokens, DoRA, trained biases, a vocabulary
             that differs from the file's), or no LoRA layer at all.
     """
+    with _open(base) as reader:
+        layers, names = _checked(model, reader, adapter_name)
+        return _pairs(layers, names, reader, adapter_name)
+
+
+@contextlib.contextmanager
+def _open(base: str | os.PathLike[str] | GGUFFile) -> Iterator[GGUFFile]:
+    """``base`` as an open file; one opened here is closed on the way out (its memory map with it)."""
     from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
     from lcsb_lightning.mebp._internal.sources import open_gguf
 
-    reader = base if isinstance(base, GGUFFile) else open_gguf(base)
+    if isinstance(base, GGUFFile):
+        yield base
+        return
+    with open_gguf(base) as reader:
+        yield reader
+
+
+def _checked(model: nn.Module, reader: GGUFFile, adapter_name: str) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """``(LoRA layers, their base tensor names)``, or a ValueError listing every refusal."""
     layers = _lora_layers(model, adapter_name)
     if not layers:
         raise ValueError(f"The model has no LoRA layer of adapter {adapter_name!r}: nothing to export.")
@@ -120,7 +149,7 @@ def gguf_lora(model: nn.Module, base: str | os.PathLike[str] | GGUFFile, adapter
     if refusals:
         raise ValueError("This adapter cannot be written as a GGUF adapter that llama.cpp applies as trained:\n- "
                          + "\n- ".join(refusals))
-    return _pairs(layers, names, reader, adapter_name)
+    return layers, names
 
 
 def _tensor_names(model: nn.Module, layers: dict[str, nn.Module], reader: GGUFFile, refusals: list[str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from lcsb_lightning.export import gguf_lora, save_merged_gguf
+from lcsb_lightning.export import check_gguf_lora, save_merged_gguf
 from lcsb_lightning.guard import DivergenceGuard
 from lcsb_lightning.heap_trim import HeapTrim
 from lcsb_lightning.process_memory import RunMemory
@@ -96,7 +96,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
     gguf_base = bundle.weights_file if bundle.weights_file and bundle.weights_file.endswith(".gguf") else None
     if gguf_base is not None:
-        gguf_lora(module.model, gguf_base)  # an adapter llama.cpp could not apply is refused before training
+        check_gguf_lora(module.model, gguf_base)  # an adapter llama.cpp could not apply is refused before training
     elif _merges(cfg):
         raise ValueError(f"export.merged=true merges into the base model's GGUF file, and {bundle.name} was not read "
                          "from one: allowed: a model read from a GGUF (model.source=gguf, model.gguf_file=...), or false")
