@@ -112,6 +112,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("standard", {"recipe_speed": 3, "quality": 21}),
     ("ablation", {"ablation": 12}),
     ("time_to_quality", {"recipe_speed": 3, "quality": 30}),
+    ("recipe_defaults", {"recipe_speed": 1, "quality": 6}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
     ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54, "ddp_speed": 3}),
@@ -125,7 +126,7 @@ def test_benchmark_configs_compose_and_expand(name: str, counts: dict[str, int])
 
 def test_every_fine_tuning_arm_of_the_configs_composes() -> None:
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        for name in ("standard", "ablation", "time_to_quality", "multi_epoch", "multi_epoch_int4"):
+        for name in ("standard", "ablation", "time_to_quality", "multi_epoch", "multi_epoch_int4", "recipe_defaults"):
             bench = compose(config_name="benchmark", overrides=[f"benchmark={name}"]).benchmark
             for arms in validate(dict(bench)).values():
                 for arm in arms:
@@ -183,6 +184,19 @@ def test_finetune_rows_retention_change_and_speedup() -> None:
     assert lcsb["retention"] == pytest.approx(0.9) and lcsb["delta_pct"] == pytest.approx(5.0) and lcsb["speedup"] == 1.5
     assert wallclock["steps"] == 6 and wallclock["retention"] == pytest.approx(1.05) and wallclock["delta_pct"] == pytest.approx(-2.5)
     assert (lcsb["metric_name"], lcsb["metric"], lcsb["initial_metric"]) == ("accuracy", 0.7, 0.5)
+
+
+@pytest.mark.parametrize(("fresh", "expected_peak"), [(True, 612.0), (False, None)])
+def test_finetune_rows_compare_each_arm_with_its_own_baseline(fresh: bool, expected_peak: float | None) -> None:
+    # two baselines timed against recipe_speed's one (full_k4): each arm's speed-up is over its own baseline;
+    # an arm's whole-process peak is a figure only when the arm ran in a process of its own
+    results = [finetune_result("w", "full_k4", None, {0: 3.0, 4: 2.0}), finetune_result("w", "full_null", None, {0: 3.0, 4: 2.0}),
+               finetune_result("w", "default_null", "full_null", {0: 3.0, 4: 2.1})]
+    for r in results:
+        r["summary"]["peak_rss_mb"], r["fresh_process"] = 612.0, fresh
+    rows = report.finetune_rows(results, {"w": {"full_k4": 1.0, "full_null": 1.6, "default_null": 2.0}})
+    assert rows[2]["speedup"] == pytest.approx(1.25) and rows[1]["speedup"] == 1.0
+    assert rows[2]["peak_rss_mb"] == expected_peak
 
 
 def test_eval_rising_while_training_loss_falls_is_flagged() -> None:
@@ -345,6 +359,19 @@ def test_wallclock_steps_fill_the_baselines_time(tmp_path: Path, arm: str, quali
     wallclock = Arm("quality", f"t1__{arm}__wallclock", (), {"task": "t1", "arm": arm, "run": "wallclock"}, "t1__full",
                     wallclock_of=f"t1__{arm}")
     assert wallclock_steps(tmp_path, bench, wallclock, 200) == expected
+
+
+def test_wallclock_steps_fill_the_arms_own_baselines_time(tmp_path: Path) -> None:
+    # recipe_speed's baseline is full_k4, the arm's own baseline full_null: 100 x (1.6 / 1.2) steps
+    from lcsb_lightning.bench.runner import wallclock_steps
+    from lcsb_lightning.bench.spec import Arm
+
+    _timed(tmp_path, "t1", {"full_k4": 2.6, "full_null": 1.6, "default_null": 1.2})
+    bench = {"recipe_speed": {"tasks": ["t1"], "baseline": "full_k4", "arms": {"full_k4": [], "full_null": [], "default_null": []}},
+             "quality": {"arms": {"default_null": {"baseline": "full_null", "wallclock": True, "overrides": []}}}}
+    wallclock = Arm("quality", "t1__default_null__wallclock", (), {"task": "t1", "arm": "default_null", "run": "wallclock"},
+                    "t1__full_null", wallclock_of="t1__default_null")
+    assert wallclock_steps(tmp_path, bench, wallclock, 100) == 133
 
 
 def test_wallclock_steps_of_a_timed_as_arm_need_its_twin_timed(tmp_path: Path) -> None:
@@ -516,3 +543,27 @@ def test_recipe_speed_gives_arms_that_build_different_models_their_own_model(
             ["model=tiny", "seq_len=32", "task.max_train_examples=64"],
             compose_ft, rounds=2, steps_per_round=4, out_dir=str(tmp_path))
     assert [mebp_state(p.module) is None for p in prepared] == [True, False]  # float and dyadic share one model
+
+
+def test_a_fresh_process_arm_reports_its_own_whole_process_peak(tmp_path: Path) -> None:
+    """``fresh_process: true``: the arm runs in a new process, whose peak RSS is the arm's alone (two arms in one
+    process would report the largest peak so far for the second)."""
+    from lcsb_lightning.bench.finetune_arm import arm_config, run_finetune_arm_in_fresh_process
+    from lcsb_lightning.bench.spec import RESULT_NAME, Arm
+
+    arm = Arm("quality", "pydoc__full", ("model=tiny", "task=pydoc", "policy=full", "seq_len=32",
+                                         "task.max_train_examples=16", "task.max_eval_examples=4", "logger=csv"),
+              {"task": "pydoc", "arm": "full", "run": "steps"})
+    with finetune_composer() as compose_ft:
+        cfg = arm_config(arm, compose_ft, steps=2)
+    result = run_finetune_arm_in_fresh_process(arm, tmp_path / "arm", cfg, 2, [1])
+    assert result == json.loads((tmp_path / "arm" / RESULT_NAME).read_text())
+    assert result["fresh_process"] is True and result["steps"] == 2 and "1" in result["eval_at_steps"]
+    peak = result["summary"]["peak_rss_mb"]
+    assert 50 < peak < 4096  # a whole process: the interpreter, torch and the tiny model
+
+
+def test_fresh_process_must_be_a_bool() -> None:
+    bench = {"name": "q", "studies": ["quality"], "quality": {**QUALITY, "fresh_process": "yes"}}
+    with pytest.raises(ValueError, match="benchmark.quality.fresh_process must be true or false, got 'yes'"):
+        validate(bench)

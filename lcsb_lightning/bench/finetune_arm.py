@@ -1,8 +1,14 @@
-"""One fine-tuning arm of the quality, ablation or stability study: ``run_finetune`` plus the recorder."""
+"""One fine-tuning arm of the quality, ablation or stability study: ``run_finetune`` plus the recorder, in this
+process or in a fresh one (``python -m lcsb_lightning.bench.finetune_arm <arm.json>``: its whole-process peak is
+the arm's own)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,12 +45,31 @@ def arm_config(arm: Arm, compose: Compose, steps: int, probe_every: int = 0) -> 
     return cfg
 
 
-def arm_settings(cfg: DictConfig, eval_steps: Sequence[int]) -> dict[str, Any]:
-    """Everything that determines the arm's result: the resolved config and the evaluation steps."""
-    return {"config": OmegaConf.to_container(cfg, resolve=True), "eval_steps": list(eval_steps)}
+def arm_settings(cfg: DictConfig, eval_steps: Sequence[int], fresh_process: bool = False) -> dict[str, Any]:
+    """Everything that determines the arm's result: the resolved config, the evaluation steps and whether the arm
+    runs in a process of its own."""
+    settings = {"config": OmegaConf.to_container(cfg, resolve=True), "eval_steps": list(eval_steps)}
+    return {**settings, "fresh_process": True} if fresh_process else settings
 
 
-def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_steps: Sequence[int] = ()) -> dict[str, Any]:
+def run_finetune_arm_in_fresh_process(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int,
+                                      eval_steps: Sequence[int] = ()) -> dict[str, Any]:
+    """:func:`run_finetune_arm` in a new Python process, so that the result's ``peak_rss_mb`` is the arm's own
+    whole-process peak (in one process, every arm after the first would report the largest so far).
+
+    Raises:
+        subprocess.CalledProcessError: the arm's process failed (its output went to this process's).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "arm.json"
+    atomic_write_json(spec, {"arm": dataclasses.asdict(arm), "config": OmegaConf.to_container(cfg),
+                             "steps": steps, "eval_steps": list(eval_steps)})
+    subprocess.run([sys.executable, "-m", "lcsb_lightning.bench.finetune_arm", str(spec)], check=True)
+    return json.loads((out_dir / RESULT_NAME).read_text())
+
+
+def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_steps: Sequence[int] = (),
+                     fresh_process: bool = False) -> dict[str, Any]:
     """Fine-tune one arm and write ``<out_dir>/result.json`` (last, atomically: it marks the arm done).
 
     Args:
@@ -53,6 +78,7 @@ def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_
         cfg: The arm's config (:func:`arm_config`).
         steps: Optimizer steps of the run.
         eval_steps: Steps (< ``steps``) after which to evaluate mid-fit; ``steps`` itself is the final evaluation.
+        fresh_process: This process runs only this arm (:func:`run_finetune_arm_in_fresh_process`).
 
     Returns:
         The result written.
@@ -82,8 +108,24 @@ def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_
         "divergence_reason": reason,
         "curves": curves,
         "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
-        "settings_hash": settings_hash(arm_settings(cfg, eval_steps)),
+        "fresh_process": fresh_process,
+        "settings_hash": settings_hash(arm_settings(cfg, eval_steps, fresh_process)),
     }
     atomic_write_json(out_dir / RESULT_NAME, result)
     log.info("arm %s/%s done: eval loss %s -> %s in %d steps", arm.study, arm.name, initial, final, summary["steps"])
     return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the arm that ``arm.json`` (written by :func:`run_finetune_arm_in_fresh_process`) describes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec_path = Path((sys.argv[1:] if argv is None else argv)[0])
+    spec = json.loads(spec_path.read_text())
+    fields = spec["arm"]
+    arm = Arm(**{**fields, "overrides": tuple(fields["overrides"])})
+    run_finetune_arm(arm, spec_path.parent, OmegaConf.create(spec["config"]), int(spec["steps"]), spec["eval_steps"],
+                     fresh_process=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -85,11 +85,18 @@ def finetune_rows(results: Sequence[Mapping[str, Any]], speed_ups: Mapping[str, 
             "initial_metric": task_metric(r["eval_at_steps"].get("0"))[1],
             "retention": retention(initial, _loss(final), base_final),
             "delta_pct": rel_change(_loss(final), base_final) if r["baseline"] else 0.0,
-            "speedup": speed_ups.get(labels["task"], {}).get(labels["arm"]),
+            "speedup": _speedup_over(speed_ups.get(labels["task"], {}), labels["arm"], (base or {}).get("labels", {}).get("arm")),
+            "peak_rss_mb": r["summary"].get("peak_rss_mb") if r.get("fresh_process") else None,
             "eval_rises": eval_rises(r), "diverged": r.get("diverged"),
             "train_seconds": (r.get("curves") or {}).get("total_train_seconds"),
         })
     return rows
+
+
+def _speedup_over(speed_ups: Mapping[str, float], arm: str, baseline: str | None) -> float | None:
+    """The arm's speed-up over its own baseline, from speed-ups over the recipe_speed study's one baseline."""
+    mine, theirs = speed_ups.get(arm), speed_ups.get(baseline or arm)
+    return mine / theirs if mine is not None and theirs else None
 
 
 def block_groups(num_blocks: int, groups: int = 4) -> list[list[int]]:
@@ -198,14 +205,16 @@ def _finetune_section(title: str, rows: Sequence[Row], probes: Sequence[Row]) ->
     out = [f"## {title}", "",
            "Retention = (L0 - L) / (L0 - L_full): the share of full backprop's eval-loss improvement an arm keeps "
            "(equal steps: after the same steps; equal wall-clock: after the time full backprop took). "
-           "Speed-up: recipe-loop step time of full backprop over the arm's (recipe_speed study).", "",
+           "Speed-up: recipe-loop step time of the arm's baseline over the arm's (recipe_speed study). Peak RSS: "
+           "the arm's whole-process peak, where each arm ran in a process of its own (fresh_process).", "",
            table(["task", "arm", "run", "steps", "eval loss (start -> end)", "metric (start -> end)", "retention",
-                  "vs full", "speed-up", "eval rises"],
+                  "vs full", "speed-up", "peak RSS (MiB)", "eval rises"],
                  [[r["task"], r["arm"], r["run"], str(r["steps"]), f"{_f(r['initial_loss'])} -> {_f(r['loss'])}",
                    f"{r['metric_name']} {_f(r['initial_metric'])} -> {_f(r['metric'])}",
                    _f(None if r["retention"] is None else 100 * r["retention"], ".1f", "%"),
                    "baseline" if r["baseline"] == r["arm"] and r["run"] == "steps" else _f(r["delta_pct"], "+.2f", "%"),
-                   _f(r["speedup"], ".2f", "x"), "yes" if r["eval_rises"] else "no"] for r in rows]), ""]
+                   _f(r["speedup"], ".2f", "x"), _f(r.get("peak_rss_mb"), ".0f"), "yes" if r["eval_rises"] else "no"]
+                  for r in rows]), ""]
     if probes:
         out += [f"### Gradient alignment over training ({title.lower()})", "",
                 "Per depth group (bottom first), over every probe of the run: mean cosine between the gradient "

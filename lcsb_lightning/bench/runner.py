@@ -21,7 +21,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lcsb_lightning.bench import cost_model, plots, report
-from lcsb_lightning.bench.finetune_arm import Compose, arm_config, arm_settings, run_finetune_arm
+from lcsb_lightning.bench.finetune_arm import (
+    Compose, arm_config, arm_settings, run_finetune_arm, run_finetune_arm_in_fresh_process,
+)
 from lcsb_lightning.bench.time_to_quality import (
     StepTime, best_of_sweep, elapsed, ratios_by_share, recorded_step_time, step_time_by_epoch, steps_within,
     time_to_quality_rows, timed_as_step_times,
@@ -64,6 +66,10 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
         extra = (bench.get(study) or {}).get("extra_eval_steps") or []
         if study in arms and not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in extra):
             raise ValueError(f"benchmark.{study}.extra_eval_steps must be a list of positive step numbers, got {extra!r}")
+    for study in FINETUNE_STUDIES:
+        fresh = (bench.get(study) or {}).get("fresh_process", False)
+        if study in arms and not isinstance(fresh, bool):
+            raise ValueError(f"benchmark.{study}.fresh_process must be true or false, got {fresh!r}")
     share = (bench.get("quality") or {}).get("target_share", 0.9)
     if "quality" in arms and not (isinstance(share, (int, float)) and 0 < share <= 1):
         raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
@@ -139,7 +145,8 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
     r = bench.get("recipe_speed") or {}
     timed = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
     seconds = step_times({"recipe_speed": timed}, bench)
-    per_step, base = seconds.get((task, name)), seconds.get((task, r.get("baseline")))
+    own_baseline = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("baseline")
+    per_step, base = seconds.get((task, name)), seconds.get((task, own_baseline or r.get("baseline")))
     timing_study = bool(r) and "recipe_speed" in bench.get("studies", ("recipe_speed",))
     if per_step is None and not timing_study:  # no recipe_speed study run: the step times the runs recorded
         own, baseline = (load_result(root, Arm(arm.study, n)) if n else None for n in (arm.wallclock_of, arm.baseline))
@@ -173,17 +180,18 @@ def evaluation_steps(run_steps: int, every: int, extra: Sequence[int] = ()) -> l
 
 def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, compose: Compose,
                         bench: Mapping[str, Any]) -> None:
-    steps, every = int(q["steps"]), int(q.get("eval_every") or 0)
+    steps, every, fresh = int(q["steps"]), int(q.get("eval_every") or 0), bool(q.get("fresh_process", False))
+    run = run_finetune_arm_in_fresh_process if fresh else run_finetune_arm
     for arm in arms:
         run_steps = steps if arm.wallclock_of is None else wallclock_steps(root, bench, arm, steps)
         eval_steps = evaluation_steps(run_steps, every, q.get("extra_eval_steps") or ())
         cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
-        expected = settings_hash(arm_settings(cfg, eval_steps))
+        expected = settings_hash(arm_settings(cfg, eval_steps, fresh))
         if load_result(root, arm, expected) is not None:
             log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
             continue
-        log.info("%s %s: running %d steps", arm.study, arm.name, run_steps)
-        run_finetune_arm(arm, arm_dir(root, arm), cfg, run_steps, eval_steps)
+        log.info("%s %s: running %d steps%s", arm.study, arm.name, run_steps, " in a fresh process" if fresh else "")
+        run(arm, arm_dir(root, arm), cfg, run_steps, eval_steps)
         gc.collect()
 
 
