@@ -74,7 +74,7 @@ def _tensors_reachable(obj: Any, depth: int = 3) -> list[torch.Tensor]:
 
 def test_holds_no_copy_of_the_adapter_in_memory_while_training(tmp_path: Path) -> None:
     """The best adapter is written when an evaluation improves, never held: on the phone budget a copy of a
-    rank-16 adapter for SmolLM2-135M was 18.6 MiB of the run's anonymous peak (docs/mebp.md)."""
+    rank-16 adapter for SmolLM2-135M was 18.6 MiB of the run's anonymous peak (docs/log/0.9.md)."""
     model, keeper = _tiny_peft(), BestAdapter(tmp_path / "adapter_best")
     assert keeper.offer(model, 1.0, 5)
     assert (tmp_path / "adapter_best" / "adapter_model.safetensors").is_file()

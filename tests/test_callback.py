@@ -185,7 +185,7 @@ def test_logger_without_images_warns_once(residual_net, tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         (dict(policy="lisa", layers_per_step=1), ValueError, r"Unknown policy 'lisa'; available: cyclic, dyadic, full, grad_norm, random, top_only\.$"),
-        # removed in 0.8.0 (a negative result, docs/results.md)
+        # removed in 0.8.0 (a negative result, docs/log/0.7.md)
         (dict(policy="dropbp"), ValueError, r"Unknown policy 'dropbp'; available: cyclic, dyadic, full, grad_norm, random, top_only\.$"),
         (dict(policy="cyclic", layers_per_step=1, backward="approx"), ValueError, r"`backward='approx'` is not supported; allowed: identity, selected_only, all_reached\.$"),
         (dict(backward="truncated"), ValueError, r"`backward='truncated'` is not supported; allowed: identity, selected_only, all_reached\.$"),

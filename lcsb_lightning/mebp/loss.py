@@ -22,7 +22,7 @@ from lcsb_lightning.mebp.compressed import MAX_CHUNK_ELEMENTS, CompressedLinear
 from lcsb_lightning.validation import check_int
 
 #: Head weights decompressed (and logits computed per token) per vocabulary block: 4 MiB in float32. 16 MiB blocks
-#: held 15-20 MiB more at the phone-budget run's peaks (SmolLM2, docs/mebp.md).
+#: held 15-20 MiB more at the phone-budget run's peaks (SmolLM2, docs/log/0.9.md).
 VOCAB_BLOCK_ELEMENTS = 1 << 20
 
 
