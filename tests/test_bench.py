@@ -115,7 +115,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("recipe_defaults", {"recipe_speed": 1, "quality": 6}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
-    ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54, "ddp_speed": 3}),
+    ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54}),
     ("memory_anchor", {"memory": 17}),
     ("cost_model", {"cost_model": 8}),
 ])

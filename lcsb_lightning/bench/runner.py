@@ -29,7 +29,7 @@ from lcsb_lightning.bench.time_to_quality import (
     time_to_quality_rows, timed_as_step_times,
 )
 from lcsb_lightning.bench.spec import (
-    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
+    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, finetune_arms, load_result, memory_arms,
     recipe_speed_arms, settings_hash, slug, stability_arms, without_disabled_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
@@ -56,7 +56,7 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     expand: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
         "quality": lambda c: finetune_arms("quality", c), "ablation": lambda c: finetune_arms("ablation", c),
         "recipe_speed": recipe_speed_arms, "memory": memory_arms, "stability": stability_arms,
-        "ddp_speed": ddp_speed_arms, "cost_model": cost_model.arms,
+        "cost_model": cost_model.arms,
     }
     arms = {s: expand[s](bench[s]) for s in studies}
     for study in (*FINETUNE_STUDIES, "stability"):
@@ -256,26 +256,9 @@ def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: 
                                               **figures, "settings_hash": expected})
 
 
-def _run_ddp_speed(arms: Sequence[Arm], d: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
-    from lcsb_lightning.bench.ddp_speed import time_config
-
-    for arm in arms:
-        name = arm.labels["config"]
-        settings = {**d["configs"][name], "model": d["model"], "steps": d["steps"], "warmup": d["warmup"],
-                    "seq_len": d["seq_len"], "fraction": d["fraction"], "backward": d.get("backward", "identity")}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("ddp_speed %s: done with these settings, skipped", name)
-            continue
-        folder = arm_dir(root, arm)
-        result = time_config(settings, folder)
-        atomic_write_json(folder / RESULT_NAME, {"study": "ddp_speed", "name": arm.name, "labels": dict(arm.labels),
-                                                 **result, "settings_hash": expected})
-
-
 RUNNERS: dict[str, Callable[..., None]] = {
     "recipe_speed": _run_recipe_speed, "quality": _run_finetune_study, "ablation": _run_finetune_study,
-    "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
+    "memory": _run_memory, "stability": _run_stability,
     "cost_model": cost_model.run,
 }
 
@@ -320,8 +303,6 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
     if "stability" in arms:
         res = [r for a in arms["stability"] if (r := load_result(root, a)) is not None]
         tables["stability"] = report.stability_grid(res)
-    if "ddp_speed" in arms:
-        tables["ddp_speed"] = [r for a in arms["ddp_speed"] if (r := load_result(root, a)) is not None]
     if "cost_model" in arms:
         tables.update(cost_model.tables(root, arms["cost_model"], bench["cost_model"]))
     return tables

@@ -16,7 +16,7 @@ from typing import Any
 
 RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
-STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "ddp_speed", "cost_model")
+STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "cost_model")
 FINETUNE_STUDIES = ("quality", "ablation")
 
 
@@ -172,11 +172,6 @@ def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
     return [Arm("memory", slug(shape, seq, name, *([] if optimizer == "adamw" else [optimizer])), (),
                 {"shape": shape, "seq_len": seq, "config": name, "optimizer": optimizer})
             for shape, seq, name in rows for optimizer in optimizers]
-
-
-def ddp_speed_arms(d: Mapping[str, Any]) -> list[Arm]:
-    """One arm per configuration of the DDP step-time study (processes x strategy)."""
-    return [Arm("ddp_speed", slug(name), (), {"config": name}) for name in d["configs"]]
 
 
 def arm_dir(root: Path, arm: Arm) -> Path:
