@@ -1,16 +1,9 @@
-"""The step-cost model across scales: a step costs ``a + b·d`` of full backprop's.
+"""The step-cost model across scales: a step costs ``a + b·d`` of full backprop's, ``d`` the backward's depth.
 
-``d`` is the step's backward depth as a share of the blocks; ``a`` the constant part every schedule pays (the
-forward of every block with its decompression, the LM head and the loss, the optimizer). For every random-init
-shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only`` with ``fraction=d`` and the exact
-``all_reached`` backward; ``d = 1`` is ``policy=full``) alternate round by round in the recipe's own loop
-(:func:`~lcsb_lightning.bench.recipe_speed.time_task`, a warm-up step per round). Least squares on
-``t(d) / t_full`` gives ``a`` and ``b`` per round and pooled over the rounds; the same fit of every phase's time
-(:class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer`) splits ``a`` into its parts (their intercepts add up to
-``a``, least squares being linear in the times).
-
-The projection (:func:`projected_ratio`, :func:`break_even`) is on paper: a policy's measured steps to a target,
-as a ratio ``s`` to full backprop's, at its mean depth ``d``, gives a time-to-quality ratio ``s (a + b d)``.
+For every random-init shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only``, ``fraction=d``, the
+exact ``all_reached`` backward) alternate in the recipe's loop (:func:`~lcsb_lightning.bench.recipe_speed.time_task`);
+least squares on ``t(d) / t_full`` gives ``a`` and ``b``, and the same fit per phase splits ``a`` (:data:`SPLIT`). The
+projection (:func:`projected_ratio`, :func:`break_even`) is on paper: steps ratio ``s`` at depth ``d``: ``s (a + b d)``.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, load_result, settings_hash, slug
+from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, finished, load_result, settings_hash, slug
 from lcsb_lightning.recipes.outputs import atomic_write_json
 from lcsb_lightning.validation import check_int
 
@@ -266,5 +259,5 @@ def projection_rows(table: Sequence[Mapping[str, Any]], projection: Mapping[str,
 
 def tables(root: Path, study_arms: Sequence[Arm], c: Mapping[str, Any]) -> dict[str, Any]:
     """The study's tables from its finished arms: ``cost_model`` and ``cost_model_projection``."""
-    table = rows([r for a in study_arms if (r := load_result(root, a)) is not None])
+    table = rows(finished(root, study_arms))
     return {"cost_model": table, "cost_model_projection": projection_rows(table, c.get("projection") or {})}

@@ -192,6 +192,11 @@ def load_result(root: Path, arm: Arm, expected_hash: str | None = None) -> dict[
     return result
 
 
+def finished(root: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
+    """The results of the arms that have finished (whatever their settings), in the arms' order."""
+    return [r for a in arms if (r := load_result(root, a)) is not None]
+
+
 def diverged(train_losses: Sequence[float], initial_eval: float | None, final_eval: float | None) -> tuple[bool, str]:
     """The divergence rule of the stability study.
 
