@@ -16,7 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, finished, load_result, settings_hash, slug
+from lcsb_lightning.bench.spec import (
+    RESULT_NAME, Arm, arm_dir, finished, load_result, packaged_options, settings_hash, slug,
+)
 from lcsb_lightning.recipes.outputs import atomic_write_json
 from lcsb_lightning.validation import check_int
 
@@ -153,23 +155,14 @@ def break_even(params: Sequence[float], ratios: Sequence[float], target: float) 
 
 
 # ------------------------------------------------------------------------------------- the study
-def pipeline_label(mebp: str) -> str:
-    """``float32`` for ``mebp=none``, else the ``mebp`` option."""
-    return "float32" if mebp == "none" else str(mebp)
-
-
 def arms(c: Mapping[str, Any]) -> list[Arm]:
     """One timing arm per shape x pipeline (its depths alternate inside it), checked before any work.
 
     Raises:
         ValueError: a bad ``depths``, ``rounds`` or ``steps_per_round``, or a pipeline that is no ``mebp`` option.
     """
-    from importlib.resources import files
-
-    from lcsb_lightning.recipes import CONFIG_MODULE
-
     depth_arms(c["depths"])
-    options = sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "mebp").iterdir() if f.name.endswith(".yaml"))
+    options = packaged_options("mebp")
     bad = [p for p in c["pipelines"] if p not in options]
     if bad or not c["pipelines"]:
         raise ValueError(f"benchmark.cost_model.pipelines must name mebp options, got {list(c['pipelines'])!r}; allowed: {options}")
@@ -234,7 +227,9 @@ def rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out, pipelines = [], list(dict.fromkeys(r["labels"]["pipeline"] for r in results))  # in the config's order
     for r in sorted(results, key=lambda r: (pipelines.index(r["labels"]["pipeline"]), r["params"])):
         fit = r["fit"]
-        out.append({"shape": r["labels"]["shape"], "params": r["params"], "pipeline": pipeline_label(r["labels"]["pipeline"]),
+        pipeline = r["labels"]["pipeline"]
+        out.append({"shape": r["labels"]["shape"], "params": r["params"],
+                    "pipeline": "float32" if pipeline == "none" else pipeline,
                     "num_blocks": r["num_blocks"], "full_s": fit["full_s"], "a": fit["a"], "b": fit["b"],
                     "a_spread": fit["a_spread"], "a_min": min(fit["a_rounds"]), "a_max": max(fit["a_rounds"]),
                     "split": fit["split"], "loadavg": [r["timing"].get("loadavg_before"), r["timing"].get("loadavg_after")]})

@@ -74,13 +74,13 @@ def without_disabled_arms(bench: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def packaged_tasks() -> frozenset[str]:
-    """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
+def packaged_options(group: str) -> list[str]:
+    """Names of a config group's options shipped in the package (``conf/<group>/*.yaml``), sorted."""
     from importlib.resources import files
 
     from lcsb_lightning.recipes import CONFIG_MODULE
 
-    return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "task").iterdir() if f.name.endswith(".yaml"))
+    return sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / group).iterdir() if f.name.endswith(".yaml"))
 
 
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
@@ -99,13 +99,11 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
         if base is not None and base not in arms_cfg:
             raise ValueError(f"{study} arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
     task_overrides: Mapping[str, Sequence[str]] = q.get("task_overrides") or {}
-    packaged = packaged_tasks()
-    unknown = set(task_overrides) - set(q["tasks"]) - packaged
+    packaged = packaged_options("task")
+    unknown = set(task_overrides) - set(q["tasks"]) - set(packaged)
     if unknown:
-        raise ValueError(
-            f"task_overrides for tasks not in {study}.tasks and not packaged task configs: {sorted(unknown)}; "
-            f"packaged: {', '.join(sorted(packaged))}"
-        )
+        raise ValueError(f"task_overrides for tasks not in {study}.tasks and not packaged task configs: "
+                         f"{sorted(unknown)}; packaged: {', '.join(packaged)}")
     order = sorted(arms_cfg, key=lambda n: arms_cfg[n].get("baseline") is not None)  # stable: baselines first
     out: list[Arm] = []
     for task in q["tasks"]:
