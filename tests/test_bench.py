@@ -270,6 +270,16 @@ def test_a_result_counts_only_for_the_settings_that_produced_it(tmp_path: Path) 
     assert load_result(tmp_path, arm) is None
 
 
+def test_an_arm_is_pending_until_it_finished_with_these_settings(tmp_path: Path) -> None:
+    from lcsb_lightning.bench.spec import pending
+
+    arm = Arm("memory", "m")
+    assert pending(tmp_path, arm, {"steps": 2}) == settings_hash({"steps": 2})
+    _write(tmp_path, arm, {"x": 1}, {"steps": 2})
+    assert pending(tmp_path, arm, {"steps": 2}) is None
+    assert pending(tmp_path, arm, {"steps": 3}) == settings_hash({"steps": 3})
+
+
 def test_finished_arms_are_skipped_and_changed_settings_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lcsb_lightning.bench import runner
     from lcsb_lightning.bench.finetune_arm import arm_config, arm_settings

@@ -16,9 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.bench.spec import (
-    RESULT_NAME, Arm, arm_dir, finished, load_result, packaged_options, settings_hash, slug,
-)
+from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, finished, packaged_options, pending, slug
 from lcsb_lightning.recipes.outputs import atomic_write_json
 from lcsb_lightning.validation import check_int
 
@@ -200,9 +198,7 @@ def run(study_arms: Sequence[Arm], c: Mapping[str, Any], root: Path, compose: An
         common = [f"model={shape}", f"mebp={pipeline}", *c.get("common", ())]
         steps = steps_per_round(c, shape)
         settings = {"arms": depth_overrides, "common": common, "task": c["task"], "rounds": c["rounds"], "steps": steps}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("cost_model %s: done with these settings, skipped", arm.name)
+        if (expected := pending(root, arm, settings)) is None:
             continue
         if not str(compose(common).model.get("_target_", "")).endswith(".random_init"):
             raise ValueError(f"benchmark.cost_model.shapes: {shape!r} is no random-init shape (model._target_ "

@@ -30,8 +30,8 @@ from lcsb_lightning.bench.time_to_quality import (
     time_to_quality_rows, timed_as_step_times,
 )
 from lcsb_lightning.bench.spec import (
-    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, finetune_arms, finished, load_result, memory_arms,
-    recipe_speed_arms, settings_hash, slug, stability_arms, without_disabled_arms,
+    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, finetune_arms, finished, load_result, memory_arms, pending,
+    recipe_speed_arms, slug, stability_arms, without_disabled_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
@@ -179,9 +179,7 @@ def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, c
         run_steps = steps if arm.wallclock_of is None else wallclock_steps(root, bench, arm, steps)
         eval_steps = evaluation_steps(run_steps, every, q.get("extra_eval_steps") or ())
         cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
-        expected = settings_hash(arm_settings(cfg, eval_steps, fresh))
-        if load_result(root, arm, expected) is not None:
-            log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
+        if pending(root, arm, arm_settings(cfg, eval_steps, fresh)) is None:
             continue
         log.info("%s %s: running %d steps%s", arm.study, arm.name, run_steps, " in a fresh process" if fresh else "")
         run(arm, arm_dir(root, arm), cfg, run_steps, eval_steps)
@@ -196,9 +194,7 @@ def _run_recipe_speed(arms: Sequence[Arm], r: Mapping[str, Any], root: Path, com
         task = arm.labels["task"]
         settings = {"task": task, "arms": r["arms"], "common": [*r.get("common", ()), *r.get("task_overrides", {}).get(task, ())],
                     "rounds": r["rounds"], "steps_per_round": r["steps_per_round"], "model": r["model"]}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("recipe_speed %s: done with these settings, skipped", task)
+        if (expected := pending(root, arm, settings)) is None:
             continue
         folder = arm_dir(root, arm)
         common = [f"model={r['model']}", *settings["common"]]
@@ -222,9 +218,7 @@ def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: 
                 "seq_len": arm.labels["seq_len"], "rank": int(m["rank"]), "warmup": int(m["warmup"]), "steps": int(m["steps"])}
         if arm.labels["optimizer"] != "adamw":  # AdamW, the study's default, keeps the settings (and results) it had
             spec["optimizer"] = arm.labels["optimizer"]
-        expected = settings_hash(spec)
-        if load_result(root, arm, expected) is not None:
-            log.info("memory %s: done with these settings, skipped", arm.name)
+        if (expected := pending(root, arm, spec)) is None:
             continue
         if spec["arm"] == "qlora":  # from_pretrained needs a saved folder; load_compressed builds the init itself
             spec["folder"] = str(root / "memory" / "_models" / slug(shape))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
 STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "cost_model")
@@ -188,6 +190,15 @@ def load_result(root: Path, arm: Arm, expected_hash: str | None = None) -> dict[
     if expected_hash is not None and result.get("settings_hash") != expected_hash:
         return None
     return result
+
+
+def pending(root: Path, arm: Arm, settings: Any) -> str | None:
+    """The hash of ``settings`` when the arm must run; None (logged) when it finished with these settings."""
+    expected = settings_hash(settings)
+    if load_result(root, arm, expected) is None:
+        return expected
+    log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
+    return None
 
 
 def finished(root: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
