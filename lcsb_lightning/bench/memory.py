@@ -1,4 +1,4 @@
-"""Memory study, measured as MeBP's and MeSP's authors measure it: peak anonymous memory (``RssAnon``) inside the step.
+"""Memory study, as MeBP's and MeSP's authors measure it: peak anonymous memory (``RssAnon``) inside the step.
 
 Each configuration runs in a fresh process (:func:`measure`): a random-init shape built compressed (``qlora``:
 bitsandbytes nf4 and HF gradient checkpointing), peft LoRA on the seven projections, batch 1, a ``Trainer`` with

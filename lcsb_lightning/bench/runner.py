@@ -81,33 +81,26 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
             raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
         if not all(map(_share, others := q.get("other_shares") or [])):
             raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
-        _check_timed_as(q.get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
-        _check_baseline_sweep(q)
-    return arms
-
-
-def _check_baseline_sweep(quality: Mapping[str, Any]) -> None:
-    sweep, arms = quality.get("baseline_sweep") or [], quality.get("arms") or {}
-    swept = sorted(name for name, arm in arms.items() if arm.get("baseline") is not None)
-    for name in sweep:
-        if name not in swept:
-            raise ValueError(f"benchmark.quality.baseline_sweep names {name!r}, which is not a quality arm with a "
+        swept = sorted(name for name, arm in (q.get("arms") or {}).items() if arm.get("baseline") is not None)
+        if unknown := [name for name in q.get("baseline_sweep") or [] if name not in swept]:
+            raise ValueError(f"benchmark.quality.baseline_sweep names {unknown[0]!r}, which is not a quality arm with a "
                              f"baseline; allowed: {swept}")
+        _check_timed_as(q.get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
+    return arms
 
 
 def _check_timed_as(arms: Mapping[str, Any], timed_arms: Mapping[str, Any]) -> None:
     for name, arm in arms.items():
-        phases = arm.get("timed_as")
-        if phases is None:
-            continue
-        if not (isinstance(phases, Sequence) and not isinstance(phases, str) and len(phases) == 1
-                and isinstance(phases[0], Sequence) and not isinstance(phases[0], str) and len(phases[0]) == 2
-                and phases[0][1] is None):
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, null]] (timed as that recipe_speed "
-                             f"arm, whose step it shares), got {phases!r}")
-        if phases[0][0] not in timed_arms:
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {[phases[0][0]]}, which the recipe_speed "
-                             f"study does not time; allowed: {sorted(timed_arms)}")
+        match phases := arm.get("timed_as"):
+            case None:
+                pass
+            case [[twin, None]]:  # a sequence of one [arm, null] pair (a string is no sequence pattern)
+                if twin not in timed_arms:
+                    raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {[twin]}, which the recipe_speed "
+                                     f"study does not time; allowed: {sorted(timed_arms)}")
+            case _:
+                raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, null]] (timed as that "
+                                 f"recipe_speed arm, whose step it shares), got {phases!r}")
 
 
 def machine() -> str:
