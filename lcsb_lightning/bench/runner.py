@@ -83,8 +83,8 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
             raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
         swept = sorted(name for name, arm in (q.get("arms") or {}).items() if arm.get("baseline") is not None)
         if unknown := [name for name in q.get("baseline_sweep") or [] if name not in swept]:
-            raise ValueError(f"benchmark.quality.baseline_sweep names {unknown[0]!r}, which is not a quality arm with a "
-                             f"baseline; allowed: {swept}")
+            raise ValueError(f"benchmark.quality.baseline_sweep names {unknown[0]!r}, which is not a quality arm "
+                             f"with a baseline; allowed: {swept}")
         _check_timed_as(q.get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
     return arms
 

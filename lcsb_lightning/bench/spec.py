@@ -82,7 +82,8 @@ def packaged_options(group: str) -> list[str]:
 
     from lcsb_lightning.recipes import CONFIG_MODULE
 
-    return sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / group).iterdir() if f.name.endswith(".yaml"))
+    folder = files(CONFIG_MODULE) / group
+    return sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
 
 
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
