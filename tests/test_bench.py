@@ -115,7 +115,7 @@ def test_validate_rejects_bad_studies(bench: dict, match: str) -> None:
     ("recipe_defaults", {"recipe_speed": 1, "quality": 6}),
     ("multi_epoch", {"quality": 5}),
     ("multi_epoch_int4", {"recipe_speed": 1, "quality": 2}),
-    ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54, "ddp_speed": 3}),
+    ("full", {"recipe_speed": 3, "quality": 15, "memory": 9, "stability": 54}),
     ("memory_anchor", {"memory": 17}),
     ("cost_model", {"cost_model": 8}),
 ])
@@ -268,6 +268,16 @@ def test_a_result_counts_only_for_the_settings_that_produced_it(tmp_path: Path) 
     assert load_result(tmp_path, arm, settings_hash({"steps": 20})) is None  # other settings: run again
     (arm_dir(tmp_path, arm) / RESULT_NAME).write_text('{"half-writ')  # interrupted: run again
     assert load_result(tmp_path, arm) is None
+
+
+def test_an_arm_is_pending_until_it_finished_with_these_settings(tmp_path: Path) -> None:
+    from lcsb_lightning.bench.spec import pending
+
+    arm = Arm("memory", "m")
+    assert pending(tmp_path, arm, {"steps": 2}) == settings_hash({"steps": 2})
+    _write(tmp_path, arm, {"x": 1}, {"steps": 2})
+    assert pending(tmp_path, arm, {"steps": 2}) is None
+    assert pending(tmp_path, arm, {"steps": 3}) == settings_hash({"steps": 3})
 
 
 def test_finished_arms_are_skipped_and_changed_settings_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,16 +1,9 @@
-"""The step-cost model across scales: a step costs ``a + b·d`` of full backprop's.
+"""The step-cost model across scales: a step costs ``a + b·d`` of full backprop's, ``d`` the backward's depth.
 
-``d`` is the step's backward depth as a share of the blocks; ``a`` the constant part every schedule pays (the
-forward of every block with its decompression, the LM head and the loss, the optimizer). For every random-init
-shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only`` with ``fraction=d`` and the exact
-``all_reached`` backward; ``d = 1`` is ``policy=full``) alternate round by round in the recipe's own loop
-(:func:`~lcsb_lightning.bench.recipe_speed.time_task`, a warm-up step per round). Least squares on
-``t(d) / t_full`` gives ``a`` and ``b`` per round and pooled over the rounds; the same fit of every phase's time
-(:class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer`) splits ``a`` into its parts (their intercepts add up to
-``a``, least squares being linear in the times).
-
-The projection (:func:`projected_ratio`, :func:`break_even`) is on paper: a policy's measured steps to a target,
-as a ratio ``s`` to full backprop's, at its mean depth ``d``, gives a time-to-quality ratio ``s (a + b d)``.
+For every random-init shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only``, ``fraction=d``, the
+exact ``all_reached`` backward) alternate in the recipe's loop (:func:`~lcsb_lightning.bench.recipe_speed.time_task`);
+least squares on ``t(d) / t_full`` gives ``a`` and ``b``, and the same fit per phase splits ``a`` (:data:`SPLIT`). The
+projection (:func:`projected_ratio`, :func:`break_even`) is on paper: steps ratio ``s`` at depth ``d``: ``s (a + b d)``.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, load_result, settings_hash, slug
+from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, finished, packaged_options, pending, slug
 from lcsb_lightning.recipes.outputs import atomic_write_json
 from lcsb_lightning.validation import check_int
 
@@ -160,23 +153,14 @@ def break_even(params: Sequence[float], ratios: Sequence[float], target: float) 
 
 
 # ------------------------------------------------------------------------------------- the study
-def pipeline_label(mebp: str) -> str:
-    """``float32`` for ``mebp=none``, else the ``mebp`` option."""
-    return "float32" if mebp == "none" else str(mebp)
-
-
 def arms(c: Mapping[str, Any]) -> list[Arm]:
     """One timing arm per shape x pipeline (its depths alternate inside it), checked before any work.
 
     Raises:
         ValueError: a bad ``depths``, ``rounds`` or ``steps_per_round``, or a pipeline that is no ``mebp`` option.
     """
-    from importlib.resources import files
-
-    from lcsb_lightning.recipes import CONFIG_MODULE
-
     depth_arms(c["depths"])
-    options = sorted(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "mebp").iterdir() if f.name.endswith(".yaml"))
+    options = packaged_options("mebp")
     bad = [p for p in c["pipelines"] if p not in options]
     if bad or not c["pipelines"]:
         raise ValueError(f"benchmark.cost_model.pipelines must name mebp options, got {list(c['pipelines'])!r}; allowed: {options}")
@@ -214,9 +198,7 @@ def run(study_arms: Sequence[Arm], c: Mapping[str, Any], root: Path, compose: An
         common = [f"model={shape}", f"mebp={pipeline}", *c.get("common", ())]
         steps = steps_per_round(c, shape)
         settings = {"arms": depth_overrides, "common": common, "task": c["task"], "rounds": c["rounds"], "steps": steps}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("cost_model %s: done with these settings, skipped", arm.name)
+        if (expected := pending(root, arm, settings)) is None:
             continue
         if not str(compose(common).model.get("_target_", "")).endswith(".random_init"):
             raise ValueError(f"benchmark.cost_model.shapes: {shape!r} is no random-init shape (model._target_ "
@@ -241,7 +223,9 @@ def rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out, pipelines = [], list(dict.fromkeys(r["labels"]["pipeline"] for r in results))  # in the config's order
     for r in sorted(results, key=lambda r: (pipelines.index(r["labels"]["pipeline"]), r["params"])):
         fit = r["fit"]
-        out.append({"shape": r["labels"]["shape"], "params": r["params"], "pipeline": pipeline_label(r["labels"]["pipeline"]),
+        pipeline = r["labels"]["pipeline"]
+        out.append({"shape": r["labels"]["shape"], "params": r["params"],
+                    "pipeline": "float32" if pipeline == "none" else pipeline,
                     "num_blocks": r["num_blocks"], "full_s": fit["full_s"], "a": fit["a"], "b": fit["b"],
                     "a_spread": fit["a_spread"], "a_min": min(fit["a_rounds"]), "a_max": max(fit["a_rounds"]),
                     "split": fit["split"], "loadavg": [r["timing"].get("loadavg_before"), r["timing"].get("loadavg_after")]})
@@ -266,5 +250,5 @@ def projection_rows(table: Sequence[Mapping[str, Any]], projection: Mapping[str,
 
 def tables(root: Path, study_arms: Sequence[Arm], c: Mapping[str, Any]) -> dict[str, Any]:
     """The study's tables from its finished arms: ``cost_model`` and ``cost_model_projection``."""
-    table = rows([r for a in study_arms if (r := load_result(root, a)) is not None])
+    table = rows(finished(root, study_arms))
     return {"cost_model": table, "cost_model_projection": projection_rows(table, c.get("projection") or {})}

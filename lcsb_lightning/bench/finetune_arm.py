@@ -96,19 +96,10 @@ def run_finetune_arm(arm: Arm, out_dir: Path, cfg: DictConfig, steps: int, eval_
     final = summary["final_metrics"].get("val/loss")
     bad, reason = diverged(curves["train_loss"], initial, final)
     result: dict[str, Any] = {
-        "study": arm.study,
-        "name": arm.name,
-        "labels": dict(arm.labels),
-        "overrides": list(arm.overrides),
-        "baseline": arm.baseline,
-        "wallclock_of": arm.wallclock_of,
-        "steps": steps,
-        "eval_at_steps": at_steps,
-        "diverged": bad,
-        "divergence_reason": reason,
-        "curves": curves,
-        "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
-        "fresh_process": fresh_process,
+        "study": arm.study, "name": arm.name, "labels": dict(arm.labels), "overrides": list(arm.overrides),
+        "baseline": arm.baseline, "wallclock_of": arm.wallclock_of, "steps": steps, "eval_at_steps": at_steps,
+        "diverged": bad, "divergence_reason": reason, "curves": curves,
+        "summary": {k: summary.get(k) for k in SUMMARY_KEYS}, "fresh_process": fresh_process,
         "settings_hash": settings_hash(arm_settings(cfg, eval_steps, fresh_process)),
     }
     atomic_write_json(out_dir / RESULT_NAME, result)

@@ -1,17 +1,7 @@
 """The table of weight formats in docs/mebp.md: bits per weight, error on SmolLM2's matrices, eval loss, decompression time.
 
-``python -m lcsb_lightning.bench.format_table [--gguf FILE] [--skip-eval]`` prints it as Markdown. Every
-figure is measured by the run that prints it:
-
-* **error**: relative RMS error (``sqrt(sum (q - w)^2 / sum w^2)``, pooled) of each format's round trip
-  against the GGUF's own weights, over SmolLM2-135M's 210 block matrices (Q4_1 in the file) and,
-  separately, its embedding (Q8_0 in the file: nearer to the float model the file was made from);
-* **eval loss**: the main job's evaluation (``task=pydoc``, 16 examples of 128 tokens) before any
-  training, the model loaded compressed in that format (``load_compressed``);
-* **decompression**: nanoseconds per weight to decompress a 1536 x 576 matrix into a buffer (the
-  workspace path of a training step), median of 20, float32, one thread.
-
-``gguf`` is ``fmt="auto"`` on the GGUF file: its blocks as they are (Q4_1 and Q8_0).
+``python -m lcsb_lightning.bench.format_table [--gguf FILE] [--skip-eval]`` prints it as Markdown; docs/mebp.md says
+what each column measures. ``gguf`` is ``fmt="auto"`` on the GGUF file: its blocks as they are (Q4_1 and Q8_0).
 """
 
 from __future__ import annotations

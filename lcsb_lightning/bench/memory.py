@@ -1,22 +1,9 @@
-"""Memory study, measured as MeBP's and MeSP's authors measure it: peak anonymous memory inside the step.
+"""Memory study, as MeBP's and MeSP's authors measure it: peak anonymous memory (``RssAnon``) inside the step.
 
-Each configuration runs in a fresh process (:func:`measure`): a random-init shape built compressed by
-``load_compressed``, peft LoRA on the seven projections, batch 1, a Lightning ``Trainer`` with
-``QuantizedMeBP`` and ``chunked_lm_loss`` (``qlora``: bitsandbytes nf4 through ``from_pretrained``
-and Hugging Face's gradient checkpointing, the usual recipe), the spec's ``optimizer`` (:data:`OPTIMIZERS`:
-AdamW by default, or SGD without momentum as MeSP trains; lr 1e-4 either way). A thread samples ``/proc/self/status``
-every ``sample_ms`` so that peaks inside a step count. Reported: the peak ``RssAnon`` above the state
-after imports while loading and while training (the anchors' metric: mmapped weights, clean
-file-backed pages, are not counted), the peak RSS above imports, the whole-process peak RSS and s/step.
-
-The **breakdown** splits the training peak by owner. The step is cut into windows at block
-boundaries (each block's forward, the loss, each block's recompute and backward, the optimizer
-step); at the start of each window the live tensors are counted by owner and the sampler gives the
-peak inside it. The window holding the peak is reported as: its anonymous memory at the start, split
-into the frozen weights in anonymous memory, LoRA weights, their gradients, optimizer state,
-block-boundary checkpoints, decompression buffers and the rest (the runtime's own objects and
-allocator slack, measured as the difference), plus the window's own growth to the peak (the
-working set of a block's recompute and backward, or of the loss).
+Each configuration runs in a fresh process (:func:`measure`): a random-init shape built compressed (``qlora``:
+bitsandbytes nf4 and HF gradient checkpointing), peft LoRA on the seven projections, batch 1, a ``Trainer`` with
+``QuantizedMeBP``; a thread samples ``/proc/self/status`` every ``sample_ms``. The **breakdown** splits the training
+peak by owner at block-boundary windows (:class:`StepWindows`, :class:`Census`, :func:`breakdown`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
-"""Step time inside the recipe's own training loop, per phase, the arms alternating in one process.
+"""Step time inside the recipe's own training loop, per phase (:data:`PHASES`), the arms alternating in one process.
 
-For each task the model, data and ``CausalLMModule`` are built once (once per distinct model where arms
-differ in what builds it, :func:`model_key`: the model, LoRA, optimizer, ``mebp`` or data); then, round after round, every
-arm fine-tunes ``steps_per_round`` optimizer steps through a fresh ``Trainer`` configured exactly as
-``lcsb-finetune`` configures it (its callbacks, logger, gradient clipping, logging interval), so a
-drift of the machine hits all arms alike. Every fit starts at epoch 0 of the recipe's seeded,
-per-epoch permutation, so every arm sees the same batches in the same order (their lengths vary on
-GSM8K and SST-2). Each round runs one warm-up step, not counted, then ``steps_per_round`` timed steps,
-a multiple of every arm's policy cycle: an arm's figure is the mean over a round's timed steps (a run's
-wall-clock is the sum of its steps, and a dyadic cycle's one full-depth step costs as much as several
-shallow ones), then the median over rounds (a round that a disturbance of the machine hit does not count).
-
-:class:`PhaseTimer` splits every step into the phases Lightning's hooks delimit, and times the LM
-head's forward and backward with module hooks (``lm_head_and_loss``: from the LM head's first forward call
-to the end of ``training_step``, i.e. the head, the loss and the ``self.log`` calls, a part of ``forward``):
-
-================ =====================================================================
-``forward``      ``training_step``: the model, the loss, ``self.log`` calls
-``zero_grad``    ``optimizer.zero_grad()`` (Lightning runs it between forward and backward)
-``backward``     ``loss.backward()``
-``before_step``  ``on_before_optimizer_step`` callbacks: LCSB's zero gradients and norms
-``clip``         gradient clipping
-``optimizer``    ``optimizer.step()`` and the end of the batch's bookkeeping
-``between``      from one step's end to the next one's start: logging, LR scheduler, data
-================ =====================================================================
+Arms that would build the same model and data share them (:func:`model_key`). Each round, every arm fits one
+warm-up step and ``steps_per_round`` timed ones (whole cycles of its policy) through a fresh ``Trainer`` built as
+``lcsb-finetune`` builds it, from epoch 0 of the same seeded permutation; its figure is the mean over a round's timed
+steps (a dyadic cycle's deep step counts in full), then the median over rounds (a disturbed round does not count).
 """
 
 from __future__ import annotations

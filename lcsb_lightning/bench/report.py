@@ -322,12 +322,6 @@ def markdown(tables: Mapping[str, Any], meta: Mapping[str, Any], plots: Sequence
         named = only_full_diverges(grid)
         out.append("Full backprop diverges where LCSB does not: " + (", ".join(named) if named else "none") + ".")
         out.append("")
-    ddp = tables.get("ddp_speed") or []
-    if ddp:
-        out += ["## DDP step time (CPU, gloo)", "",
-                table(["config", "processes", "strategy", "s/step (median)", "tokens/s"],
-                      [[r["labels"]["config"], str(r.get("processes")), str(r.get("strategy")), _f(r.get("median_s")),
-                        _f(r.get("tokens_per_s"), ".0f")] for r in ddp]), ""]
     out += _cost_model_section(tables)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,23 @@ from lcsb_lightning.bench.time_to_quality import (
     time_to_quality_rows, timed_as_step_times,
 )
 from lcsb_lightning.bench.spec import (
-    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, ddp_speed_arms, finetune_arms, load_result, memory_arms,
-    recipe_speed_arms, settings_hash, slug, stability_arms, without_disabled_arms,
+    FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, finetune_arms, finished, load_result, memory_arms, pending,
+    recipe_speed_arms, slug, stability_arms, without_disabled_arms,
 )
 from lcsb_lightning.recipes.outputs import atomic_write_json
 
 log = logging.getLogger(__name__)
+
+
+EXPAND: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
+    "quality": partial(finetune_arms, "quality"), "ablation": partial(finetune_arms, "ablation"),
+    "recipe_speed": recipe_speed_arms, "memory": memory_arms, "stability": stability_arms,
+    "cost_model": cost_model.arms,
+}
+
+
+def _share(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
 
 
 def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
@@ -47,63 +59,48 @@ def validate(bench: Mapping[str, Any]) -> dict[str, list[Arm]]:
     """
     bench = without_disabled_arms(bench)
     studies = list(bench.get("studies") or [])
-    unknown = [s for s in studies if s not in STUDIES]
-    if unknown or not studies:
+    if not studies or any(s not in STUDIES for s in studies):
         raise ValueError(f"benchmark.studies must be a non-empty subset of {list(STUDIES)}, got {studies}")
     missing = [s for s in studies if s not in bench]
     if missing:
         raise ValueError(f"benchmark.studies names {missing} but the benchmark config has no such section")
-    expand: dict[str, Callable[[Mapping[str, Any]], list[Arm]]] = {
-        "quality": lambda c: finetune_arms("quality", c), "ablation": lambda c: finetune_arms("ablation", c),
-        "recipe_speed": recipe_speed_arms, "memory": memory_arms, "stability": stability_arms,
-        "ddp_speed": ddp_speed_arms, "cost_model": cost_model.arms,
-    }
-    arms = {s: expand[s](bench[s]) for s in studies}
-    for study in (*FINETUNE_STUDIES, "stability"):
-        if study in arms and int(bench[study]["steps"]) < 1:
-            raise ValueError(f"benchmark.{study}.steps must be >= 1, got {bench[study]['steps']}")
-    for study in FINETUNE_STUDIES:
-        extra = (bench.get(study) or {}).get("extra_eval_steps") or []
-        if study in arms and not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in extra):
-            raise ValueError(f"benchmark.{study}.extra_eval_steps must be a list of positive step numbers, got {extra!r}")
-    for study in FINETUNE_STUDIES:
-        fresh = (bench.get(study) or {}).get("fresh_process", False)
-        if study in arms and not isinstance(fresh, bool):
+    arms = {s: EXPAND[s](bench[s]) for s in studies}
+    for study in (s for s in (*FINETUNE_STUDIES, "stability") if s in arms):
+        section = bench[study]
+        if int(section["steps"]) < 1:
+            raise ValueError(f"benchmark.{study}.steps must be >= 1, got {section['steps']}")
+        extra, fresh = section.get("extra_eval_steps") or [], section.get("fresh_process", False)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in extra):
+            raise ValueError(f"benchmark.{study}.extra_eval_steps must be a list of positive step numbers, "
+                             f"got {extra!r}")
+        if not isinstance(fresh, bool):
             raise ValueError(f"benchmark.{study}.fresh_process must be true or false, got {fresh!r}")
-    share = (bench.get("quality") or {}).get("target_share", 0.9)
-    if "quality" in arms and not (isinstance(share, (int, float)) and 0 < share <= 1):
-        raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
-    others = (bench.get("quality") or {}).get("other_shares") or []
-    if "quality" in arms and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s <= 1 for s in others):
-        raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
     if "quality" in arms:
-        _check_timed_as(bench["quality"].get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
-        _check_baseline_sweep(bench["quality"])
+        q = bench["quality"]
+        if not _share(share := q.get("target_share", 0.9)):
+            raise ValueError(f"benchmark.quality.target_share must be in (0, 1], got {share!r}")
+        if not all(map(_share, others := q.get("other_shares") or [])):
+            raise ValueError(f"benchmark.quality.other_shares must be shares in (0, 1], got {others!r}")
+        swept = sorted(name for name, arm in (q.get("arms") or {}).items() if arm.get("baseline") is not None)
+        if unknown := [name for name in q.get("baseline_sweep") or [] if name not in swept]:
+            raise ValueError(f"benchmark.quality.baseline_sweep names {unknown[0]!r}, which is not a quality arm "
+                             f"with a baseline; allowed: {swept}")
+        _check_timed_as(q.get("arms") or {}, (bench.get("recipe_speed") or {}).get("arms") or {})
     return arms
-
-
-def _check_baseline_sweep(quality: Mapping[str, Any]) -> None:
-    sweep, arms = quality.get("baseline_sweep") or [], quality.get("arms") or {}
-    swept = sorted(name for name, arm in arms.items() if arm.get("baseline") is not None)
-    for name in sweep:
-        if name not in swept:
-            raise ValueError(f"benchmark.quality.baseline_sweep names {name!r}, which is not a quality arm with a "
-                             f"baseline; allowed: {swept}")
 
 
 def _check_timed_as(arms: Mapping[str, Any], timed_arms: Mapping[str, Any]) -> None:
     for name, arm in arms.items():
-        phases = arm.get("timed_as")
-        if phases is None:
-            continue
-        if not (isinstance(phases, Sequence) and not isinstance(phases, str) and len(phases) == 1
-                and isinstance(phases[0], Sequence) and not isinstance(phases[0], str) and len(phases[0]) == 2
-                and phases[0][1] is None):
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, null]] (timed as that recipe_speed "
-                             f"arm, whose step it shares), got {phases!r}")
-        if phases[0][0] not in timed_arms:
-            raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {[phases[0][0]]}, which the recipe_speed "
-                             f"study does not time; allowed: {sorted(timed_arms)}")
+        match phases := arm.get("timed_as"):
+            case None:
+                pass
+            case [[twin, None]]:  # a sequence of one [arm, null] pair (a string is no sequence pattern)
+                if twin not in timed_arms:
+                    raise ValueError(f"benchmark.quality.arms.{name}.timed_as names {[twin]}, which the recipe_speed "
+                                     f"study does not time; allowed: {sorted(timed_arms)}")
+            case _:
+                raise ValueError(f"benchmark.quality.arms.{name}.timed_as must be [[arm, null]] (timed as that "
+                                 f"recipe_speed arm, whose step it shares), got {phases!r}")
 
 
 def machine() -> str:
@@ -118,20 +115,10 @@ def machine() -> str:
 
 
 # ------------------------------------------------------------------------- fine-tuning studies
-def speedups(root: Path, bench: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-    """``{task: {arm: speed-up over the baseline}}`` measured by the ``recipe_speed`` study."""
+def _recipe_speed_rows(root: Path, bench: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The rows of the finished ``recipe_speed`` arms of the config, whether or not this run names the study."""
     r = bench.get("recipe_speed")
-    if not r:
-        return {}
-    out: dict[str, dict[str, float]] = {}
-    for arm in recipe_speed_arms(r):
-        result = load_result(root, arm)
-        if result is None:
-            continue
-        timed = result["timing"]["arms"]
-        base = timed.get(r["baseline"], {}).get("total")
-        out[arm.labels["task"]] = {name: base / m["total"] for name, m in timed.items() if base and m.get("total")}
-    return out
+    return report.recipe_speed_rows(finished(root, recipe_speed_arms(r)) if r else [])
 
 
 def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) -> int:
@@ -143,8 +130,7 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
     """
     task, name = arm.labels["task"], arm.labels["arm"]
     r = bench.get("recipe_speed") or {}
-    timed = report.recipe_speed_rows([res for a in recipe_speed_arms(r) if (res := load_result(root, a))] if r else [])
-    seconds = step_times({"recipe_speed": timed}, bench)
+    seconds = step_times({"recipe_speed": _recipe_speed_rows(root, bench)}, bench)
     own_baseline = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("baseline")
     per_step, base = seconds.get((task, name)), seconds.get((task, own_baseline or r.get("baseline")))
     timing_study = bool(r) and "recipe_speed" in bench.get("studies", ("recipe_speed",))
@@ -186,25 +172,10 @@ def _run_finetune_study(arms: Sequence[Arm], q: Mapping[str, Any], root: Path, c
         run_steps = steps if arm.wallclock_of is None else wallclock_steps(root, bench, arm, steps)
         eval_steps = evaluation_steps(run_steps, every, q.get("extra_eval_steps") or ())
         cfg = arm_config(arm, compose, run_steps, int(q.get("probe_every") or 0))
-        expected = settings_hash(arm_settings(cfg, eval_steps, fresh))
-        if load_result(root, arm, expected) is not None:
-            log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
+        if pending(root, arm, arm_settings(cfg, eval_steps, fresh)) is None:
             continue
         log.info("%s %s: running %d steps%s", arm.study, arm.name, run_steps, " in a fresh process" if fresh else "")
         run(arm, arm_dir(root, arm), cfg, run_steps, eval_steps)
-        gc.collect()
-
-
-def _run_stability(arms: Sequence[Arm], s: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
-    steps = int(s["steps"])
-    for arm in arms:
-        cfg = arm_config(arm, compose, steps)
-        expected = settings_hash(arm_settings(cfg, [steps]))
-        if load_result(root, arm, expected) is not None:
-            log.info("stability %s: done with these settings, skipped", arm.name)
-            continue
-        log.info("stability %s: running", arm.name)
-        run_finetune_arm(arm, arm_dir(root, arm), cfg, steps, [steps])
         gc.collect()
 
 
@@ -216,9 +187,7 @@ def _run_recipe_speed(arms: Sequence[Arm], r: Mapping[str, Any], root: Path, com
         task = arm.labels["task"]
         settings = {"task": task, "arms": r["arms"], "common": [*r.get("common", ()), *r.get("task_overrides", {}).get(task, ())],
                     "rounds": r["rounds"], "steps_per_round": r["steps_per_round"], "model": r["model"]}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("recipe_speed %s: done with these settings, skipped", task)
+        if (expected := pending(root, arm, settings)) is None:
             continue
         folder = arm_dir(root, arm)
         common = [f"model={r['model']}", *settings["common"]]
@@ -242,9 +211,7 @@ def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: 
                 "seq_len": arm.labels["seq_len"], "rank": int(m["rank"]), "warmup": int(m["warmup"]), "steps": int(m["steps"])}
         if arm.labels["optimizer"] != "adamw":  # AdamW, the study's default, keeps the settings (and results) it had
             spec["optimizer"] = arm.labels["optimizer"]
-        expected = settings_hash(spec)
-        if load_result(root, arm, expected) is not None:
-            log.info("memory %s: done with these settings, skipped", arm.name)
+        if (expected := pending(root, arm, spec)) is None:
             continue
         if spec["arm"] == "qlora":  # from_pretrained needs a saved folder; load_compressed builds the init itself
             spec["folder"] = str(root / "memory" / "_models" / slug(shape))
@@ -256,26 +223,9 @@ def _run_memory(arms: Sequence[Arm], m: Mapping[str, Any], root: Path, compose: 
                                               **figures, "settings_hash": expected})
 
 
-def _run_ddp_speed(arms: Sequence[Arm], d: Mapping[str, Any], root: Path, compose: Compose, bench: Mapping[str, Any]) -> None:
-    from lcsb_lightning.bench.ddp_speed import time_config
-
-    for arm in arms:
-        name = arm.labels["config"]
-        settings = {**d["configs"][name], "model": d["model"], "steps": d["steps"], "warmup": d["warmup"],
-                    "seq_len": d["seq_len"], "fraction": d["fraction"], "backward": d.get("backward", "identity")}
-        expected = settings_hash(settings)
-        if load_result(root, arm, expected) is not None:
-            log.info("ddp_speed %s: done with these settings, skipped", name)
-            continue
-        folder = arm_dir(root, arm)
-        result = time_config(settings, folder)
-        atomic_write_json(folder / RESULT_NAME, {"study": "ddp_speed", "name": arm.name, "labels": dict(arm.labels),
-                                                 **result, "settings_hash": expected})
-
-
 RUNNERS: dict[str, Callable[..., None]] = {
     "recipe_speed": _run_recipe_speed, "quality": _run_finetune_study, "ablation": _run_finetune_study,
-    "memory": _run_memory, "stability": _run_stability, "ddp_speed": _run_ddp_speed,
+    "memory": _run_memory, "stability": _run_finetune_study,
     "cost_model": cost_model.run,
 }
 
@@ -296,16 +246,19 @@ def step_times(tables: Mapping[str, Any], bench: Mapping[str, Any]) -> dict[tupl
 def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, Any]) -> dict[str, Any]:
     """Tables from every finished arm (missing arms are left out)."""
     tables: dict[str, Any] = {}
-    speed_ups = speedups(root, bench)
+    recipe = _recipe_speed_rows(root, bench)
+    speed_ups: dict[str, dict[str, float]] = {}
+    for row in recipe:
+        if row["speedup"] is not None:
+            speed_ups.setdefault(row["task"], {})[row["arm"]] = row["speedup"]
     for study in FINETUNE_STUDIES:
         if study in arms:
-            res = [r for a in arms[study] if (r := load_result(root, a)) is not None]
+            res = finished(root, arms[study])
             tables[study] = report.finetune_rows(res, speed_ups)
             tables[f"_{study}_raw"] = res
             tables[f"{study}_probes"] = report.probe_rows(res)
     if "recipe_speed" in arms:
-        res = [r for a in arms["recipe_speed"] if (r := load_result(root, a)) is not None]
-        tables["recipe_speed"] = report.recipe_speed_rows(res)
+        tables["recipe_speed"] = recipe
     if tables.get("_quality_raw"):
         q, seconds = bench.get("quality") or {}, step_times(tables, bench)
         raw = best_of_sweep(tables["_quality_raw"], list(q.get("baseline_sweep") or []))
@@ -315,13 +268,9 @@ def collect(root: Path, arms: Mapping[str, Sequence[Arm]], bench: Mapping[str, A
         if q.get("steps_per_epoch"):
             tables["step_time_by_epoch"] = step_time_by_epoch(tables["_quality_raw"], int(q["steps_per_epoch"]))
     if "memory" in arms:
-        tables["memory"] = report.memory_rows([r for a in arms["memory"] if (r := load_result(root, a)) is not None],
-                                              bench["memory"].get("anchors"))
+        tables["memory"] = report.memory_rows(finished(root, arms["memory"]), bench["memory"].get("anchors"))
     if "stability" in arms:
-        res = [r for a in arms["stability"] if (r := load_result(root, a)) is not None]
-        tables["stability"] = report.stability_grid(res)
-    if "ddp_speed" in arms:
-        tables["ddp_speed"] = [r for a in arms["ddp_speed"] if (r := load_result(root, a)) is not None]
+        tables["stability"] = report.stability_grid(finished(root, arms["stability"]))
     if "cost_model" in arms:
         tables.update(cost_model.tables(root, arms["cost_model"], bench["cost_model"]))
     return tables

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
 #: Studies in the order they run (``quality`` and ``ablation`` read ``recipe_speed``'s speed-ups).
-STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "ddp_speed", "cost_model")
+STUDIES = ("recipe_speed", "quality", "ablation", "memory", "stability", "cost_model")
 FINETUNE_STUDIES = ("quality", "ablation")
 
 
@@ -74,13 +76,14 @@ def without_disabled_arms(bench: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def packaged_tasks() -> frozenset[str]:
-    """Names of the task configs shipped in the package (``conf/task/*.yaml``)."""
+def packaged_options(group: str) -> list[str]:
+    """Names of a config group's options shipped in the package (``conf/<group>/*.yaml``), sorted."""
     from importlib.resources import files
 
     from lcsb_lightning.recipes import CONFIG_MODULE
 
-    return frozenset(f.name.removesuffix(".yaml") for f in (files(CONFIG_MODULE) / "task").iterdir() if f.name.endswith(".yaml"))
+    folder = files(CONFIG_MODULE) / group
+    return sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
 
 
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
@@ -99,13 +102,11 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
         if base is not None and base not in arms_cfg:
             raise ValueError(f"{study} arm {name!r}: baseline {base!r} is not an arm ({', '.join(arms_cfg)})")
     task_overrides: Mapping[str, Sequence[str]] = q.get("task_overrides") or {}
-    packaged = packaged_tasks()
-    unknown = set(task_overrides) - set(q["tasks"]) - packaged
+    packaged = packaged_options("task")
+    unknown = set(task_overrides) - set(q["tasks"]) - set(packaged)
     if unknown:
-        raise ValueError(
-            f"task_overrides for tasks not in {study}.tasks and not packaged task configs: {sorted(unknown)}; "
-            f"packaged: {', '.join(sorted(packaged))}"
-        )
+        raise ValueError(f"task_overrides for tasks not in {study}.tasks and not packaged task configs: "
+                         f"{sorted(unknown)}; packaged: {', '.join(packaged)}")
     order = sorted(arms_cfg, key=lambda n: arms_cfg[n].get("baseline") is not None)  # stable: baselines first
     out: list[Arm] = []
     for task in q["tasks"]:
@@ -174,11 +175,6 @@ def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
             for shape, seq, name in rows for optimizer in optimizers]
 
 
-def ddp_speed_arms(d: Mapping[str, Any]) -> list[Arm]:
-    """One arm per configuration of the DDP step-time study (processes x strategy)."""
-    return [Arm("ddp_speed", slug(name), (), {"config": name}) for name in d["configs"]]
-
-
 def arm_dir(root: Path, arm: Arm) -> Path:
     """``<root>/<study>/<name>``."""
     return root / arm.study / arm.name
@@ -195,6 +191,20 @@ def load_result(root: Path, arm: Arm, expected_hash: str | None = None) -> dict[
     if expected_hash is not None and result.get("settings_hash") != expected_hash:
         return None
     return result
+
+
+def pending(root: Path, arm: Arm, settings: Any) -> str | None:
+    """The hash of ``settings`` when the arm must run; None (logged) when it finished with these settings."""
+    expected = settings_hash(settings)
+    if load_result(root, arm, expected) is None:
+        return expected
+    log.info("%s %s: done with these settings, skipped", arm.study, arm.name)
+    return None
+
+
+def finished(root: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
+    """The results of the arms that have finished (whatever their settings), in the arms' order."""
+    return [r for a in arms if (r := load_result(root, a)) is not None]
 
 
 def diverged(train_losses: Sequence[float], initial_eval: float | None, final_eval: float | None) -> tuple[bool, str]:

@@ -1,13 +1,7 @@
-"""Time to quality: how long each arm trains before its eval loss reaches a share of full backprop's
-improvement, next to full backprop (pure functions of the arms' results).
-
-The target of a task is ``L0 - share * (L0 - L_full)``, with ``L0`` the eval loss before training and
-``L_full`` full backprop's final eval loss. An arm reaches it at the first evaluation at or below it;
-the time in between two evaluations is interpolated linearly (evaluate often: every 25 steps or
-better, so that the interpolation does not decide the result). An arm's training wall-clock at step
-``s`` is ``s`` times its mean step time in the recipe loop (the ``recipe_speed`` study, arms
-alternating in one process) or, without it, the run's own recorded mean step time (per epoch, for runs
-whose step changes from epoch to epoch: :func:`recorded_step_time`).
+"""Time to quality: when each arm's eval loss reaches a share of full backprop's improvement, against full backprop's
+time (pure functions of the arms' results). The target is ``L0 - share * (L0 - L_full)``, reached at the first
+evaluation at or below it, interpolated linearly between evaluations; an arm's wall-clock at step ``s`` is ``s`` times
+its ``recipe_speed`` step time or, without one, its own recorded step time (:func:`recorded_step_time`).
 """
 
 from __future__ import annotations
