@@ -215,12 +215,12 @@ class ProgressiveFreezing(FitScopedCallback):
             return
         hit = self.prefix.hit
         self.prefix.end_batch()
-        below = [p for p in self.prefix.params_below if p.requires_grad]
+        below = [p for p in self.prefix.below if p.requires_grad]
         if below:  # found by the graph, for a model without get_input_embeddings()
             self._freeze_params(below)  # type: ignore[arg-type]
-            self.prefix.clear_store()  # computed while they still trained
+            self.prefix.store.clear()  # computed while they still trained
             if any(p.requires_grad for p in below):
-                self.prefix.disable("a tensor below the first block trains on (tied to the LM head)")
+                self.prefix.store.disable("a tensor below the first block trains on (tied to the LM head)")
         pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,
