@@ -11,51 +11,31 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.validation import check_int
 
 ACTIONS = ("skip", "rollback", "stop")
 
 
-class DivergenceGuard(Callback):
-    """Checks every optimizer step, before the update, for a non-finite loss, a non-finite gradient, or a
-    loss that has stayed above ``spike_factor`` times the median of the last ``window`` losses for
-    ``patience`` consecutive steps, and then acts:
+class DivergenceGuard(FitScopedCallback):
+    """Checks every optimizer step, before the update, for a non-finite loss or gradient, or a loss that has stayed
+    above ``spike_factor`` times the median of the last ``window`` losses for ``patience`` consecutive steps, and then:
 
-    ``"skip"``
-        the step makes no update: neither the parameters nor the optimizer state (moments, step
-        counts) change.
-    ``"rollback"``
-        the trainable parameters and the optimizer state go back to the last good snapshot (taken every
-        ``snapshot_every`` good steps, before the update of a step whose loss showed the state to be
-        good; in memory: LoRA-sized), every learning rate is multiplied by ``lr_factor`` (the
-        scheduler's base rates too), and the step makes no update.
-    ``"stop"``
-        the step makes no update and the fit stops with a message naming the step and the reason.
+    - ``"skip"``: the step makes no update (neither the parameters nor the optimizer state change);
+    - ``"rollback"``: the trainable parameters and the optimizer state go back to the last good in-memory snapshot
+      (taken every ``snapshot_every`` good steps, before their update), every learning rate (and the scheduler's base
+      rates) is multiplied by ``lr_factor``, and the step makes no update;
+    - ``"stop"``: the step makes no update and the fit stops, with a message naming the step and the reason.
 
-    A non-finite loss or gradient is acted on at once. A loss spike is acted on only when it lasts:
-    a single batch far above the median is what a healthy run with a heavy-tailed loss looks like
-    (a one-token classification loss over a few examples is near 0 on most batches and 2-4 on the
-    batch the model gets wrong, the batch to learn from), while a diverging run stays high. Spikes
-    shorter than ``patience`` are trained on and enter the running median; ``patience=1`` is the
-    single-step rule (for losses without such a tail). Under ``"skip"`` every further step of a
-    lasting spike is skipped too; a rollback starts the count afresh.
-
-    The decision is final whatever the order of the callbacks: the guard does not rely on the gradients
-    it clears (another callback's ``on_before_optimizer_step``, such as ``LCSBCallback`` giving the
-    blocks it does not train a zero gradient, may run after it and recreate them, and AdamW then still
-    applies momentum and weight decay). ``on_before_optimizer_step`` runs inside the closure that
-    ``optimizer.step(closure)`` calls, so the guard wraps each optimizer's ``step`` for the fit: the
-    wrapper runs the closure (forward, backward and every callback's hook) first, and calls the real
-    ``step`` only if the guard let the step through. The wrapper is removed when the fit ends.
-
-    Several processes: the loss (mean over ranks) and the non-finite flags are all-reduced before the
-    check, so every rank decides the same.
-
-    Every event goes to the loggers (``guard/events``) and to :attr:`events`.
+    A non-finite value is acted on at once, a spike only when it lasts: a single batch far above the median is what a
+    heavy-tailed loss (a one-token classification loss) looks like, so shorter spikes are trained on and enter the
+    median (``patience=1``: the single-step rule). The guard wraps each optimizer's ``step`` for the fit, so that the
+    real step runs only if the guard let it through, whatever the order of the callbacks (another one may recreate the
+    gradients the guard cleared). Under several processes the loss and the flags are all-reduced first, so every rank
+    decides the same. Every event goes to the loggers (``guard/events``) and to :attr:`events`.
 
     Args:
         action: ``"skip"``, ``"rollback"`` or ``"stop"``.
@@ -105,16 +85,9 @@ class DivergenceGuard(Callback):
     # ------------------------------------------------------------------------------ setup & teardown
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in `setup`: the strategy has built the optimizers (and their schedulers) by now.
-        self._unwrap()
+        self._release()
         for optimizer in trainer.optimizers:
             self._wrap(optimizer)
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._unwrap()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap()
 
     def _wrap(self, optimizer: Optimizer) -> None:
         own = optimizer.__dict__.get("step")  # e.g. an LR scheduler's step counter, itself a wrapper
@@ -130,7 +103,7 @@ class DivergenceGuard(Callback):
         optimizer.step = wrapper  # type: ignore[method-assign]
         self._wrapped[id(optimizer)] = (optimizer, own, wrapper)
 
-    def _unwrap(self) -> None:
+    def _release(self) -> None:
         for optimizer, own, wrapper in self._wrapped.values():
             if optimizer.__dict__.get("step") is not wrapper:
                 continue  # wrapped again by someone else since: the wrapper stays, a pass-through
@@ -234,13 +207,11 @@ class DivergenceGuard(Callback):
         return None, spike is None
 
     def _describe(self, event: dict[str, Any]) -> str:
-        if self.action == "skip":
-            return "the update was skipped"
-        if self.action == "stop":
-            return "the update was skipped and training stops"
-        restored = event.get("restored")
-        return (f"rolled back to the state after step {restored} and multiplied the learning rates by {self.lr_factor:g}"
-                if restored is not None else "no snapshot yet: the update was skipped")
+        if event.get("restored") is not None:
+            return (f"rolled back to the state after step {event['restored']} and multiplied the learning rates by "
+                    f"{self.lr_factor:g}")
+        return {"skip": "the update was skipped", "stop": "the update was skipped and training stops",
+                "rollback": "no snapshot yet: the update was skipped"}[self.action]
 
     # ------------------------------------------------------------------------------- rollback
     @staticmethod
