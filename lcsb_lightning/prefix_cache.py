@@ -121,8 +121,6 @@ class FrozenPrefix:
         blocks: The transformer blocks, in order.
         max_bytes: At most this much stored output (the examples beyond it are recomputed every time);
             ``0`` stores nothing, and only the backward of the frozen blocks is saved.
-        dtype: Store the outputs in this dtype (``torch.bfloat16`` halves the memory; then a replay is no
-            longer bit-exact); ``None``: the activations' own.
 
     Example::
 
@@ -144,19 +142,17 @@ class FrozenPrefix:
         >>> prefix.remove()
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int = 2**31, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int = 2**31) -> None:
         if max_bytes < 0:
             raise ValueError(f"`max_bytes={max_bytes}` must be >= 0 (0: store nothing).")
         self.blocks = list(blocks)
         self.frozen = 0  # how many of the lowest blocks are frozen
-        self.store = OutputStore(int(max_bytes), dtype)
+        self.store = OutputStore(int(max_bytes))
         self.batch: _Batch | None = None  # the current training batch; None: run the blocks as they are
         self.below: list[torch.Tensor] = []  # trainable tensors below the first block (an input embedding)
         self._stacks: list[ForwardStack] = []
         try:
             for index, block in enumerate(self.blocks):
-                if get_wrapper(block, FROZEN_WRAPPER) is not None:
-                    raise RuntimeError(f"{type(block).__name__} already has a frozen-prefix wrapper installed.")
                 self._stacks.append(install_wrapper(block, FrozenBlockForward(self, index), innermost=True))
         except BaseException:
             self.remove()

@@ -90,8 +90,8 @@ class OutputStore:
             a step's gradient has shown it.
     """
 
-    def __init__(self, max_bytes: int, dtype: torch.dtype | None) -> None:
-        self.max_bytes, self.dtype = max_bytes, dtype
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         self.entries: dict[bytes, Entry] = {}
         # before the freeze grew: block previous_frozen - 1's outputs, the input the newly frozen blocks start from
         self.previous: dict[bytes, Entry] = {}
@@ -125,7 +125,7 @@ class OutputStore:
             superseded = self.previous.pop(row.key, None)  # released before its successor is budgeted
             if superseded is not None:
                 self.stats.stored_bytes -= _nbytes(superseded)
-            entry = (hidden[j, :kept].detach().to("cpu", self.dtype or hidden.dtype, copy=True), probe[j, :kept].clone())
+            entry = (hidden[j, :kept].detach().to("cpu", copy=True), probe[j, :kept].clone())
             freed = _nbytes(old) if old is not None else 0
             if self.stats.stored_bytes - freed + _nbytes(entry) > self.max_bytes:
                 self.stats.dropped_examples += 1
