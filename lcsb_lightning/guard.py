@@ -55,14 +55,8 @@ class DivergenceGuard(FitScopedCallback):
     """
 
     def __init__(
-        self,
-        action: str = "skip",
-        spike_factor: float = 4.0,
-        window: int = 50,
-        warmup: int = 20,
-        lr_factor: float = 0.5,
-        snapshot_every: int = 25,
-        patience: int = 5,
+        self, action: str = "skip", spike_factor: float = 4.0, window: int = 50, warmup: int = 20,
+        lr_factor: float = 0.5, snapshot_every: int = 25, patience: int = 5
     ) -> None:
         if action not in ACTIONS:
             raise ValueError(f"`action={action!r}` is not supported; allowed: {', '.join(ACTIONS)}.")
@@ -76,8 +70,7 @@ class DivergenceGuard(FitScopedCallback):
         self.events: list[dict[str, Any]] = []
         self._losses: deque[float] = deque(maxlen=self.window)
         self._loss: float | None = None
-        self._good_steps = 0
-        self._spikes = 0  # consecutive spikes so far
+        self._good_steps = self._spikes = 0  # good steps, consecutive spikes so far
         self._snapshot: dict[str, Any] | None = None
         self._vetoed: set[int] = set()  # ids of the optimizers whose current step must not happen
         self._wrapped: dict[int, tuple[Optimizer, Any, Any]] = {}  # id -> (optimizer, own `step` or None, wrapper)
@@ -115,16 +108,15 @@ class DivergenceGuard(FitScopedCallback):
         self._vetoed = set()
 
     def _guarded_step(self, optimizer: Optimizer, inner: Any, closure: Any, **kwargs: Any) -> Any:
-        if closure is None:  # AMP's grad scaler: the closure, and the guard's check, ran already
-            if id(optimizer) in self._vetoed:
-                self._vetoed.discard(id(optimizer))
-                return None
-            return inner(**kwargs)
-        with torch.enable_grad():  # as torch's optimizers call the closure
-            result = closure()
+        result = None
+        if closure is not None:  # None: AMP's grad scaler, which ran the closure (and the guard's check) already
+            with torch.enable_grad():  # as torch's optimizers call the closure
+                result = closure()
         if id(optimizer) in self._vetoed:
             self._vetoed.discard(id(optimizer))
             return result
+        if closure is None:
+            return inner(**kwargs)
         calls = 0
 
         def replay() -> Any:  # the closure's first call has run; later ones (LBFGS) run it again
