@@ -132,7 +132,6 @@ class LCSBCallback(FitScopedCallback):
         """How many optimizer steps each block has trained in this fit."""
         return [] if self.controller is None else list(self.controller.selection_counts)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()  # a previous fit that was interrupted before its teardown
@@ -180,7 +179,6 @@ class LCSBCallback(FitScopedCallback):
         if self.controller is not None:
             self.controller.release()
 
-    # ---------------------------------------------------------------------------------- the step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.controller is not None
         # global_step counts optimizer steps, so it is constant across an accumulation window
@@ -237,7 +235,6 @@ class LCSBCallback(FitScopedCallback):
                 self._image_unsupported_reported = True
                 rank_zero_warn(f"{type(logger).__name__} cannot log images; LCSB's images ({tag}) are skipped.")
 
-    # ------------------------------------------------------------------------------------- state
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # A checkpoint of 0.4 keys this callback's state by the backward's deprecated name.
         states = checkpoint.get("callbacks") or {}

@@ -170,14 +170,9 @@ class LCSBController:
             self.selective = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy.state_dict(),
-            "selection": list(self.selection),
-            "selected_at_step": self.selected_at_step,
-            "observed_at_step": self.observed_at_step,
-            "selection_counts": list(self.selection_counts),
-            "trained_from": self.trained_from,
-        }
+        return {"policy": self.policy.state_dict(), "selection": list(self.selection),
+                "selected_at_step": self.selected_at_step, "observed_at_step": self.observed_at_step,
+                "selection_counts": list(self.selection_counts), "trained_from": self.trained_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train_from(int(state.get("trained_from", 0)))  # 0.9.3 and older bound the policy to every block

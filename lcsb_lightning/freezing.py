@@ -101,7 +101,6 @@ class ProgressiveFreezing(FitScopedCallback):
         amount = amounts[-1] if amounts else 0
         return int(amount * num_blocks) if isinstance(amount, float) else int(amount)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -149,7 +148,6 @@ class ProgressiveFreezing(FitScopedCallback):
             p.requires_grad_(True)
         self._frozen_params = []
 
-    # ---------------------------------------------------------------------------------- the steps
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.prefix is not None
         target = max(self.blocks_at(trainer.current_epoch, len(self.prefix.blocks)), self.frozen)
@@ -204,7 +202,6 @@ class ProgressiveFreezing(FitScopedCallback):
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,
                       reduce_fx="max", batch_size=1)
 
-    # ---------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         return {"frozen": self.frozen}
 

@@ -75,7 +75,6 @@ class DivergenceGuard(FitScopedCallback):
         self._vetoed: set[int] = set()  # ids of the optimizers whose current step must not happen
         self._wrapped: dict[int, tuple[Optimizer, Any, Any]] = {}  # id -> (optimizer, own `step` or None, wrapper)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in `setup`: the strategy has built the optimizers (and their schedulers) by now.
         self._release()
@@ -126,7 +125,6 @@ class DivergenceGuard(FitScopedCallback):
 
         return inner(closure=replay, **kwargs)
 
-    # ----------------------------------------------------------------------------------- hooks
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # Lightning has divided each micro-batch's loss by accumulate_grad_batches: the sum is the mean
         # loss of the update (a non-finite one stays non-finite).
@@ -160,7 +158,6 @@ class DivergenceGuard(FitScopedCallback):
         rank_zero_warn(f"DivergenceGuard: step {step}: {reason}; {self._describe(event)}.")
         pl_module.log("guard/events", float(len(self.events)), on_step=True, on_epoch=False)
 
-    # --------------------------------------------------------------------------------- checks
     @staticmethod
     def _agree(trainer: Trainer, loss: float | None, non_finite_grad: bool) -> tuple[float | None, int, bool]:
         """The mean loss over the ranks, how many ranks saw a non-finite loss, and whether any saw a
@@ -205,7 +202,6 @@ class DivergenceGuard(FitScopedCallback):
         return {"skip": "the update was skipped", "stop": "the update was skipped and training stops",
                 "rollback": "no snapshot yet: the update was skipped"}[self.action]
 
-    # ------------------------------------------------------------------------------- rollback
     @staticmethod
     def _take_snapshot(optimizer: Optimizer, step: int) -> dict[str, Any]:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -230,7 +226,6 @@ class DivergenceGuard(FitScopedCallback):
                 scheduler.base_lrs = [lr * self.lr_factor for lr in scheduler.base_lrs]
         return int(self._snapshot["step"])
 
-    # ---------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"events": list(self.events), "losses": list(self._losses), "good_steps": self._good_steps,
                 "spikes": self._spikes}

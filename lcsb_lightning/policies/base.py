@@ -22,14 +22,13 @@ def balanced_groups(indices: list[int], num_groups: int) -> list[list[int]]:
 class SelectionPolicy(ABC):
     """Chooses which blocks are back-propagated at each optimizer step.
 
-    A policy is built with its subset size, then bound to a model's block count with :meth:`setup`.
-    ``select(step)`` is called once per optimizer step with increasing steps; a new subset is chosen
-    every ``switch_every`` steps (one "round") and reused in between.
+    Built with its subset size, bound to a model's block count by :meth:`setup`; ``select(step)`` is called once per
+    optimizer step, with increasing steps, and chooses a new subset every ``switch_every`` steps (one "round").
 
     Args:
         layers_per_step: ``k``, the number of blocks trained per round.
-        fraction: ``f`` in (0, 1]; ``k = max(1, round(f * N))``. Give exactly one of ``k`` and ``f``
-            (policies that need neither say so with ``needs_size = False``).
+        fraction: ``f`` in (0, 1]; ``k = max(1, round(f * N))``. Give exactly one of ``k`` and ``f`` (unless
+            ``needs_size = False``).
         switch_every: optimizer steps between re-selections.
         seed: seed of the policy's random generator (if any).
     """
@@ -66,7 +65,6 @@ class SelectionPolicy(ABC):
         self._round = -1
         self._selection: Selection = ()
 
-    # ----------------------------------------------------------------------------------------- setup
     def setup(self, num_blocks: int) -> None:
         """Bind the policy to a model with ``num_blocks`` blocks and resolve ``k``."""
         if num_blocks < 1:
@@ -133,7 +131,6 @@ class SelectionPolicy(ABC):
         """Rounds needed to visit every block once with ``k`` blocks per round."""
         return math.ceil(self.num_blocks / self.k)
 
-    # ------------------------------------------------------------------------------------- selection
     def select(self, step: int) -> Selection:
         """Sorted block indices to back-propagate at optimizer step ``step``."""
         if self.num_blocks == 0:
@@ -158,7 +155,6 @@ class SelectionPolicy(ABC):
     def observe(self, grad_norms: dict[int, float]) -> None:
         """Receive the gradient norm of each block trained this step (after gradient synchronisation)."""
 
-    # ---------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k,
                 **{name: getattr(self, name) for name in (*self.state_args, *self.changeable_args)}}
