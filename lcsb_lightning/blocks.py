@@ -13,22 +13,12 @@ from lcsb_lightning.rank_zero import rank_zero_info
 
 BlocksSpec = Union[str, Callable[[nn.Module], "nn.ModuleList | list[nn.Module]"]]
 
-#: Dotted paths tried in order, relative to the unwrapped model, when no ``nn.ModuleList`` holds the block
-#: classes that a Hugging Face model declares (``_no_split_modules``). They cover Llama, Qwen2, Mistral,
-#: Gemma/Gemma2/Gemma3, Phi3 (``model.layers``), GPT-2 and Falcon (``transformer.h``), OPT
-#: (``model.decoder.layers``), GPT-NeoX (``gpt_neox.layers``), multimodal Gemma3 and the bare
-#: backbones (``layers``, ``h``, ``decoder.layers``); a ``decoder`` path brings its ``encoder``
-#: sibling first (``nn.Transformer``).
+#: Dotted paths tried in order, relative to the unwrapped model, when no ``nn.ModuleList`` holds the block classes a
+#: Hugging Face model declares (``_no_split_modules``): Llama-likes, multimodal Gemma3, GPT-2/Falcon, OPT, GPT-NeoX,
+#: bare backbones; a ``decoder`` path brings its ``encoder`` sibling first (``nn.Transformer``).
 KNOWN_BLOCK_PATHS: tuple[str, ...] = (
-    "model.layers",
-    "model.language_model.layers",
-    "transformer.h",
-    "model.decoder.layers",
-    "gpt_neox.layers",
-    "layers",
-    "h",
-    "decoder.layers",
-    "blocks",
+    "model.layers", "model.language_model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
+    "layers", "h", "decoder.layers", "blocks",
 )
 
 
@@ -55,20 +45,14 @@ def shared_param_ids(model: nn.Module) -> frozenset[int]:
 def _get_dotted(module: nn.Module, path: str) -> object | None:
     obj: object = module
     for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
+        obj = getattr(obj, part, None)  # None stays None
     return obj
 
 
 def _largest_homogeneous_module_list(model: nn.Module) -> nn.ModuleList | None:
     """Fallback for plain torch models: the longest ``nn.ModuleList`` whose items share one class."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(item) for item in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
-    return best
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(i) for i in m}) == 1]
+    return max(lists, key=len, default=None)
 
 
 def _candidate_roots(model: nn.Module, max_depth: int = 3) -> list[nn.Module]:
@@ -104,23 +88,15 @@ def _stacks_of_classes(model: nn.Module, class_names: set[str]) -> list[Stack]:
     the model registers them (not one inside another)."""
     stacks: list[Stack] = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if any(path.startswith(f"{found}.") for found, _ in stacks):
-            continue
-        if all(_class_names(item) & class_names for item in module):
+        if (isinstance(module, nn.ModuleList) and len(module) and not any(path.startswith(f"{f}.") for f, _ in stacks)
+                and all(_class_names(item) & class_names for item in module)):
             stacks.append((path, module))
     return stacks
 
 
 def _declared_stacks(model: nn.Module) -> tuple[list[Stack], list[Stack]]:
-    """The block stacks a Hugging Face model declares, and those its sub-models declare on top.
-
-    Every ``PreTrainedModel`` class names its block class(es) in ``_no_split_modules`` (both stacks of an
-    encoder-decoder: ``T5Block``; ``BartEncoderLayer`` and ``BartDecoderLayer``). The outermost model's
-    class declares the stacks that make the architecture; the instance also gathers its sub-models'
-    declarations (a vision tower's layers), whose stacks are returned second, as left outside.
-    """
+    """The block stacks a Hugging Face model's class declares (``_no_split_modules``: both stacks of an
+    encoder-decoder), and those only its sub-models declare (a vision tower's layers), left outside."""
     for root in _candidate_roots(model):
         declared = getattr(type(root), "_no_split_modules", None)
         if not declared:
@@ -158,13 +134,9 @@ def _report(stacks: list[Stack], outside: list[Stack]) -> None:
     """Say which stacks make the block list when it is not one obvious stack."""
     if len(stacks) < 2 and not outside:
         return
-    if len(stacks) > 1:
-        message = (
-            f"LCSB: one list of blocks from {len(stacks)} stacks, in execution order: {_describe(stacks)} "
-            "(the backward from the loss reaches the last ones first)"
-        )
-    else:
-        message = f"LCSB: blocks {_describe(stacks)}"
+    message = (f"LCSB: one list of blocks from {len(stacks)} stacks, in execution order: {_describe(stacks)} "
+               "(the backward from the loss reaches the last ones first)" if len(stacks) > 1
+               else f"LCSB: blocks {_describe(stacks)}")
     if outside:
         message += f"; left outside the blocks, never selected: {_describe(outside)}"
     rank_zero_info(message + ".")
@@ -173,12 +145,10 @@ def _report(stacks: list[Stack], outside: list[Stack]) -> None:
 def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module]:
     """Return the ordered transformer blocks of ``model``.
 
-    ``"auto"`` takes, in this order of preference: the ``nn.ModuleList`` objects whose items are of the block
-    classes a Hugging Face model declares (``_no_split_modules``), one of :data:`KNOWN_BLOCK_PATHS`
-    (a ``decoder`` path led by its ``encoder`` sibling), the longest ``nn.ModuleList`` of same-class
-    modules. An encoder-decoder's blocks come as one list in execution order, encoder blocks first,
-    so that the top of the list is the decoder's top, nearest the loss; the stacks are then named in
-    an info message, as are the stacks of sub-models (a vision tower) left outside.
+    ``"auto"`` prefers the ``nn.ModuleList`` objects of the block classes a Hugging Face model declares
+    (``_no_split_modules``), then one of :data:`KNOWN_BLOCK_PATHS`, then the longest ``nn.ModuleList`` of same-class
+    modules. An encoder-decoder's blocks come as one list in execution order (the decoder's top last, nearest the
+    loss), named in an info message.
 
     Args:
         model: A Hugging Face model (optionally wrapped by peft) or a plain torch model.
@@ -274,9 +244,8 @@ def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> Block
 
 
 def _reduction_key(grad: torch.Tensor) -> tuple[object, tuple[int, ...]] | None:
-    """How a gradient's local squared norm becomes the full one: None for a plain tensor (it is the
-    full one), else its DTensor mesh and the mesh dims it is sharded over (summed across). A
-    replicated dim holds the same values on every rank and needs nothing; "partial" raises."""
+    """How a gradient's local squared norm becomes the full one: None for a plain tensor, else its DTensor mesh and
+    the mesh dims it is sharded over (summed across; a replicated one needs nothing)."""
     placements = getattr(grad, "placements", None)
     if placements is None:
         return None
@@ -290,12 +259,8 @@ def _reduction_key(grad: torch.Tensor) -> tuple[object, tuple[int, ...]] | None:
 
 def block_grad_norms(params_per_block: list[list[torch.Tensor]]) -> torch.Tensor:
     """The L2 norm of each block's gradients (0 for a block without any), as one float32 tensor on the
-    gradients' device, without a read-back.
-
-    Each block's norm is fused over its gradients (:func:`torch.nn.utils.get_total_norm`). Sharded
-    DTensor gradients (FSDP2) contribute their local shards' squared norms, summed across ranks by
-    one ``all_reduce`` per mesh and sharded mesh dim for all blocks together, not one per parameter.
-    """
+    gradients' device, without a read-back. Sharded DTensor gradients (FSDP2) are summed across ranks by one
+    ``all_reduce`` per mesh and sharded mesh dim for all blocks together."""
     grads = [[p.grad.detach() for p in params if p.grad is not None] for params in params_per_block]
     flat = [g for block in grads for g in block]
     if not flat:

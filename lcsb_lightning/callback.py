@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from lcsb_lightning.blocks import BlocksSpec
 from lcsb_lightning.controller import LCSBController, validate_modes
 from lcsb_lightning.fit_scoped import FitScopedCallback
-from lcsb_lightning.policies import SelectionPolicy, available_policies, build_policy
+from lcsb_lightning.policies import SelectionPolicy, build_policy
 from lcsb_lightning.probe import ProbeResult, probe_gradients
 from lcsb_lightning.selection_image import probe_image, selection_image
 from lcsb_lightning.validation import check_int
@@ -24,21 +24,15 @@ _PROBES_KEPT = 10_000
 _BACKWARD_NAMES_OF_0_4 = {"exact": "selected_only", "truncated": "all_reached"}
 
 
-#: Strategies whose parameter partitioning the zero-gradient path cannot serve, and what to use instead.
-_UNSUPPORTED_STRATEGIES = {
-    "DeepSpeedStrategy": "DeepSpeed partitions parameters outside autograd's view of them",
-}
-_UNTESTED_STRATEGIES = ("FSDPStrategy",)
-
-
 def _check_strategy(trainer: Trainer) -> None:
     name = type(trainer.strategy).__name__
-    if name in _UNSUPPORTED_STRATEGIES:
+    if name == "DeepSpeedStrategy":
         raise ValueError(
-            f"LCSBCallback does not support `{name}` ({_UNSUPPORTED_STRATEGIES[name]}). Use `strategy=\"ddp\"` "
-            "(no find_unused_parameters needed) or `ModelParallelStrategy` with `fully_shard` (FSDP2)."
+            f"LCSBCallback does not support `{name}` (DeepSpeed partitions parameters outside autograd's view of "
+            "them). Use `strategy=\"ddp\"` (no find_unused_parameters needed) or `ModelParallelStrategy` with "
+            "`fully_shard` (FSDP2)."
         )
-    if name in _UNTESTED_STRATEGIES:
+    if name == "FSDPStrategy":
         rank_zero_warn(
             f"LCSBCallback under `{name}` (FSDP1) is tested only on CUDA machines (tests/test_fsdp.py); "
             "`ModelParallelStrategy` with `fully_shard` (FSDP2) is tested on every machine."
@@ -48,46 +42,35 @@ def _check_strategy(trainer: Trainer) -> None:
 class LCSBCallback(FitScopedCallback):
     r"""Back-propagate only a subset of transformer blocks at each optimizer step.
 
-    At each optimizer step the policy picks ``k`` of the model's ``N`` blocks; the others are cut out
-    of the backward pass (see ``backward``) and their trainable (LoRA) parameters receive an exact zero
-    gradient. ``requires_grad`` is never changed, so the optimizer and the strategy see the trainable
-    set ``configure_optimizers`` saw. The callback installs itself in ``on_fit_start``, on the model as
-    Lightning trains it (after ``configure_model``, the precision plugin's conversion and the
-    strategy's wrapping), and removes itself when fit ends, fails or is interrupted.
+    At each optimizer step the policy picks ``k`` of the model's ``N`` blocks; the others are cut out of the backward
+    pass (see ``backward``) and their trainable (LoRA) parameters receive an exact zero gradient. ``requires_grad`` is
+    never changed, so the optimizer and the strategy see the trainable set ``configure_optimizers`` saw. The callback
+    installs itself in ``on_fit_start`` on the model as Lightning trains it, and removes itself when fit ends or fails.
 
-    The defaults are the configuration that won this project's study on the real SmolLM2
-    (docs/results.md): ``policy="dyadic"`` with ``backward="all_reached"`` back-propagates, exactly, the top
-    N/4 blocks every step, N/2 every second step and all of them every fourth (3 levels). The
-    LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
+    The defaults won this project's study on SmolLM2 (docs/results.md): ``policy="dyadic"`` with
+    ``backward="all_reached"`` back-propagates, exactly, the top N/4 blocks every step, N/2 every second step and all
+    of them every fourth. The LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
+    Every rank selects the same blocks, and every trainable parameter gets a gradient at every step, so plain
+    ``strategy="ddp"`` works without ``find_unused_parameters``; FSDP2 works too, DeepSpeed is refused.
 
     Args:
-        policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``,
-            ``"full"``, ``"top_only"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
-        layers_per_step: ``k`` blocks per step. Give this or ``fraction`` (policies that need a size:
-            cyclic, random, grad_norm, top_only).
+        policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``, ``"full"``,
+            ``"top_only"``) or a :class:`~lcsb_lightning.policies.SelectionPolicy` instance.
+        layers_per_step: ``k`` blocks per step, for the policies that need a size (or ``fraction``).
         fraction: ``k = round(fraction * N)``, ``fraction`` in (0, 1].
-        backward: ``"all_reached"``: the exact backward from the top down to the lowest selected block,
-            and every block it reaches trains. ``"selected_only"``: the same backward, only the selected
-            blocks train. ``"identity"`` (the paper's): a non-selected block runs under ``no_grad`` with an
-            identity Jacobian (no backward, recompute or decompression; approximate gradients below it).
-        unreached: what a trainable tensor this step's backward did not reach gets. ``"skip_below"``: a
-            block a zero gradient (AdamW keeps moving it), a tensor below the first block (an untied
-            embedding) none; ``"implicit"``: a zero gradient for both (the paper's). A tied embedding gets
-            the head's gradient either way.
+        backward: ``"all_reached"``: the exact backward from the top down to the lowest selected block, and every
+            block it reaches trains. ``"selected_only"``: the same backward, only the selected blocks train.
+            ``"identity"`` (the paper's): a non-selected block runs under ``no_grad`` with an identity Jacobian.
+        unreached: what a trainable tensor this step's backward did not reach gets. ``"skip_below"``: a block a zero
+            gradient, a tensor below the first block (an untied embedding) none; ``"implicit"``: a zero gradient
+            for both (the paper's). A tied embedding gets the head's gradient either way.
         blocks: ``"auto"``, a dotted path to the block ``ModuleList`` or a callable ``model -> blocks``.
         switch_every: optimizer steps between re-selections of a policy built by name (default 1).
-        seed: seed of the generator of a policy built by name (default 0). A
-            :class:`~lcsb_lightning.policies.SelectionPolicy` instance carries its own ``switch_every``
-            and ``seed``: giving either with one is refused.
+        seed: seed of the generator of a policy built by name (default 0); a policy instance carries its own.
         log_every_n_steps: optimizer steps between block-selection images (``0`` disables them).
-        probe_every: every this many optimizer steps (``0``: never), the exact gradient once more on the
-            same batch (one more forward and full backward), and per trained block the cosine and norm ratio
-            of the step's gradient to it (``lcsb/probe/*``; kept in :attr:`probe_results`).
-
-    Multiple processes: every rank selects the same blocks (the policy state is seeded and the
-    gradient norms it observes are read after the gradient all-reduce). Every trainable parameter gets
-    a gradient at every step, so plain ``strategy="ddp"`` works without ``find_unused_parameters``;
-    ``ModelParallelStrategy`` with ``fully_shard`` (FSDP2) works too. DeepSpeed is refused at fit start.
+        probe_every: every this many optimizer steps (``0``: never), the exact gradient once more on the same batch,
+            and per trained block the cosine and norm ratio of the step's to it (``lcsb/probe/*``,
+            :attr:`probe_results`).
 
     Example::
 
@@ -99,17 +82,10 @@ class LCSBCallback(FitScopedCallback):
     """
 
     def __init__(
-        self,
-        policy: str | SelectionPolicy = "dyadic",
-        layers_per_step: int | None = None,
-        fraction: float | None = None,
-        backward: str = "all_reached",
-        unreached: str = "skip_below",
-        blocks: BlocksSpec = "auto",
-        switch_every: int | None = None,
-        seed: int | None = None,
-        log_every_n_steps: int = 50,
-        probe_every: int = 0,
+        self, policy: str | SelectionPolicy = "dyadic", layers_per_step: int | None = None,
+        fraction: float | None = None, backward: str = "all_reached", unreached: str = "skip_below",
+        blocks: BlocksSpec = "auto", switch_every: int | None = None, seed: int | None = None,
+        log_every_n_steps: int = 50, probe_every: int = 0
     ) -> None:
         validate_modes(backward, unreached)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 0)
@@ -124,8 +100,6 @@ class LCSBCallback(FitScopedCallback):
                     )
             self.policy = policy
         elif isinstance(policy, str):
-            if policy not in available_policies():
-                raise ValueError(f"Unknown policy {policy!r}; available: {', '.join(available_policies())}.")
             self.policy = build_policy(
                 policy, layers_per_step=layers_per_step, fraction=fraction,
                 switch_every=1 if switch_every is None else switch_every, seed=0 if seed is None else seed,
@@ -158,15 +132,13 @@ class LCSBCallback(FitScopedCallback):
         """How many optimizer steps each block has trained in this fit."""
         return [] if self.controller is None else list(self.controller.selection_counts)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()  # a previous fit that was interrupted before its teardown
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _check_strategy(trainer)
-        # Installed here, not in `setup`: the model now exists (`configure_model` has run), the
-        # precision plugin has converted it, the strategy has wrapped it and the optimizers exist.
+        # Not in `setup`: the model is now converted and wrapped, and the optimizers exist.
         self.controller = LCSBController(pl_module, self.policy, self.backward, self.unreached, self.blocks)
         self._history = []
         try:
@@ -207,7 +179,6 @@ class LCSBCallback(FitScopedCallback):
         if self.controller is not None:
             self.controller.release()
 
-    # ---------------------------------------------------------------------------------- the step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.controller is not None
         # global_step counts optimizer steps, so it is constant across an accumulation window
@@ -237,7 +208,6 @@ class LCSBCallback(FitScopedCallback):
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.controller is not None
-
         result = probe_gradients(
             trainer.global_step, self.controller.block_params.params_per_block, self.controller.selection,
             lambda: _training_loss(trainer, pl_module, batch, batch_idx), self.controller.selective,
@@ -265,7 +235,6 @@ class LCSBCallback(FitScopedCallback):
                 self._image_unsupported_reported = True
                 rank_zero_warn(f"{type(logger).__name__} cannot log images; LCSB's images ({tag}) are skipped.")
 
-    # ------------------------------------------------------------------------------------- state
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # A checkpoint of 0.4 keys this callback's state by the backward's deprecated name.
         states = checkpoint.get("callbacks") or {}
@@ -292,10 +261,8 @@ class LCSBCallback(FitScopedCallback):
 
 
 def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
-    """The loss of ``training_step`` run once more, in the training's precision, with its logging off.
-
-    A re-run that logs would count its values twice in the epoch's aggregates, and Lightning has no switch that
-    mutes ``self.log`` (``barebones`` and a detached trainer warn at each call)."""
+    """The loss of ``training_step`` run once more, in the training's precision, with its logging off (a re-run that
+    logs would count its values twice in the epoch's aggregates)."""
     with logging_muted(pl_module), trainer.precision_plugin.train_step_context():
         out = pl_module.training_step(batch, batch_idx)
     return out["loss"] if isinstance(out, dict) else out
@@ -306,9 +273,8 @@ _LOG_METHODS = ("log", "log_dict")
 
 @contextmanager
 def logging_muted(pl_module: LightningModule) -> Iterator[None]:
-    """``pl_module.log`` and ``pl_module.log_dict`` do nothing inside the block; after it, each is what it was: the
-    instance's own attribute (a wrapper that instrumentation set on it) is put back, and where the class's method
-    served, the instance is left without an attribute of that name."""
+    """``pl_module.log`` and ``pl_module.log_dict`` do nothing inside the block, and are what they were after it (an
+    instance attribute put back, or none left)."""
     own = {name: vars(pl_module)[name] for name in _LOG_METHODS if name in vars(pl_module)}
     for name in _LOG_METHODS:
         setattr(pl_module, name, _no_log)

@@ -27,18 +27,10 @@ def validate_modes(backward: str, unreached: str) -> None:
 class LCSBController:
     """Selects blocks per optimizer step and prepares the forward pass and the gradients accordingly.
 
-    Call :meth:`begin_step` before the forward pass of each optimizer step (repeat calls with the
-    same step are no-ops, as under gradient accumulation) and :meth:`before_optimizer_step` after
-    backward and gradient synchronisation. :meth:`release` restores the model.
-
-    ``requires_grad`` is never changed: blocks outside the selection are cut out of the graph by
-    :class:`~lcsb_lightning.selective.SelectiveBackprop` and their trainable parameters receive an
-    exact zero gradient in backward, so every parameter gets a gradient at every step (plain DDP works)
-    and the optimizer's param groups stay as ``configure_optimizers`` built them.
-
-    The policy selects over the blocks that train: when the lowest blocks stop training (their trainable
-    parameters get ``requires_grad=False``, as ``ProgressiveFreezing`` does), it is re-bound over the blocks above
-    them (:meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`) at the next step.
+    Call :meth:`begin_step` before the forward pass of each optimizer step (repeats of a step are no-ops, as under
+    gradient accumulation), :meth:`before_optimizer_step` after backward and gradient synchronisation, and
+    :meth:`release` at the end. The policy selects over the blocks that train: when the lowest ones stop training
+    (``ProgressiveFreezing``), it is re-bound over the blocks above them at the next step.
 
     Example::
 
@@ -54,12 +46,8 @@ class LCSBController:
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        policy: SelectionPolicy,
-        backward: str = "all_reached",
-        unreached: str = "skip_below",
-        blocks: BlocksSpec = "auto",
+        self, model: nn.Module, policy: SelectionPolicy, backward: str = "all_reached",
+        unreached: str = "skip_below", blocks: BlocksSpec = "auto"
     ) -> None:
         validate_modes(backward, unreached)
         self.policy, self.backward, self.unreached = policy, backward, unreached
@@ -72,12 +60,10 @@ class LCSBController:
         self._watched: set[int] = set()
         # this step's gradient norms, until an optimizer's step applies them (a vetoed step never does)
         self._unobserved: dict[int, float] | None = None
-        self.selected_at_step = -1
-        self.observed_at_step = -1
+        self.selected_at_step = self.observed_at_step = -1
         # id(optimizer) -> (number of parameters, their ids): rebuilt only when its parameter count changes
         self._optimizer_param_ids: dict[int, tuple[int, frozenset[int]]] = {}
-        # parameters a model uses in two places (an input embedding tied to the head): a step whose backward
-        # does not reach the lookup still gives them the head's exact gradient, which is theirs to use
+        # an embedding tied to the head gets the head's exact gradient even where the backward misses the lookup
         self._shared_param_ids = shared_param_ids(model)
         self.selective: SelectiveBackprop | None = SelectiveBackprop(
             self.block_params.blocks, self.block_params.params_per_block,
@@ -112,8 +98,7 @@ class LCSBController:
         return selection
 
     def _train_from(self, block: int) -> None:
-        """Bind the policy over the blocks from ``block`` on. A frozen block runs without a graph: selected, it
-        would train nothing (with the identity path, no block would have a graph)."""
+        """Bind the policy over the blocks from ``block`` on (a frozen block, selected, would train nothing)."""
         if block != self.trained_from:
             self.policy.rebind(self.num_blocks - block)
             self.trained_from = block
@@ -127,11 +112,8 @@ class LCSBController:
 
     def before_optimizer_step(self, optimizer: Optimizer) -> dict[int, float] | None:
         """Read the selected blocks' gradient norms (once per step; returned, else ``None``), then give the
-        trainable tensors this step's backward did not reach what ``unreached`` says.
-
-        The policy observes the norms when an optimizer's step runs: a step that a divergence guard or a
-        gradient scaler vetoes (its gradients are not finite) makes no update and teaches the policy nothing.
-        """
+        trainable tensors this step's backward did not reach what ``unreached`` says. The policy observes the norms
+        when an optimizer's step runs (a vetoed step teaches it nothing)."""
         norms = None
         if self.observed_at_step != self.selected_at_step:  # once per step, even with several optimizers
             self.observed_at_step = self.selected_at_step
@@ -143,10 +125,8 @@ class LCSBController:
             self._hooks.append(optimizer.register_step_post_hook(self._observe))
         chosen = set(self.selection)
         in_optimizer = self._param_ids(optimizer)
-        # Identity-path blocks already hold exact zeros; the others a gradient passed through them
-        # may have computed, which is not theirs to use this step. The last list: trainable tensors below
-        # the first block (an embedding), which train on the steps whose backward reaches them (a tied one
-        # also at every step, from the head).
+        # Identity-path blocks already hold exact zeros; the others may hold a gradient that passed through them,
+        # not theirs to use this step. The last list: trainable tensors below the first block (an untied embedding).
         known_zero = self.backward == "identity"
         below = (
             [p for p in self.selective.params_below if id(p) not in self._shared_param_ids]
@@ -190,14 +170,9 @@ class LCSBController:
             self.selective = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy.state_dict(),
-            "selection": list(self.selection),
-            "selected_at_step": self.selected_at_step,
-            "observed_at_step": self.observed_at_step,
-            "selection_counts": list(self.selection_counts),
-            "trained_from": self.trained_from,
-        }
+        return {"policy": self.policy.state_dict(), "selection": list(self.selection),
+                "selected_at_step": self.selected_at_step, "observed_at_step": self.observed_at_step,
+                "selection_counts": list(self.selection_counts), "trained_from": self.trained_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train_from(int(state.get("trained_from", 0)))  # 0.9.3 and older bound the policy to every block

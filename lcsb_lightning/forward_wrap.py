@@ -1,17 +1,9 @@
 """A per-instance stack of named ``forward`` wrappers that compose, come off in any order, copy and pickle.
 
-LCSB's selective backprop and QuantizedMeBP's per-block checkpointing both change how a transformer
-block runs its forward. Each installs a *forward wrapper*: an object with a ``name`` and a
-``__call__(inner, *args, **kwargs)`` that decides how (or whether) to call ``inner``, the forward
-below it. All wrappers of a module live in one :class:`ForwardStack` stored as the instance's
-``forward``; the class's own forward (or whatever instance-level forward was there before) sits at
-the bottom. Wrappers can be installed and removed in any order; removing the last one restores exactly
-the forward that was there before.
-
-The stack is a plain object (no closures), so ``copy.deepcopy`` gives a copy whose wrappers act on the
-copy, and ``pickle``/``torch.save(model)`` work. Wrappers marked ``persistent = False`` (LCSB's, owned
-by one running fit) are left out of copies and pickles: a copy of a model that is being trained with
-LCSB is an ordinary model.
+LCSB's selective backprop, the frozen prefix and QuantizedMeBP's per-block checkpointing each install a wrapper (a
+``name`` and a ``__call__(inner, *args, **kwargs)``) in the module's :class:`ForwardStack`, its instance-level
+``forward``; removing the last one restores the forward found at install time. The stack holds no closures, so
+``copy.deepcopy`` and ``pickle`` work; wrappers with ``persistent = False`` (owned by one fit) are left out of both.
 """
 
 from __future__ import annotations
@@ -30,23 +22,9 @@ class ForwardWrapper(Protocol):
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 
-class _Inner:
-    """``inner`` for wrapper ``index`` of a stack: calls the wrapper below it, or the base forward."""
-
-    __slots__ = ("stack", "index")
-
-    def __init__(self, stack: ForwardStack, index: int) -> None:
-        self.stack, self.index = stack, index
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.stack._call(self.index, args, kwargs)
-
-
 class ForwardStack:
-    """The instance-level ``forward`` of a module: its wrappers around the forward found at install time.
-
-    Wrappers run outermost first; ``wrappers[0]`` is the innermost.
-    """
+    """The instance-level ``forward`` of a module: its wrappers (``wrappers[0]`` innermost) around the forward found
+    at install time."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -62,7 +40,7 @@ class ForwardStack:
             if self.base is not None:
                 return self.base(*args, **kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
-        return self.wrappers[index](_Inner(self, index - 1), *args, **kwargs)
+        return self.wrappers[index](lambda *a, **k: self._call(index - 1, a, k), *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"module": self.module, "base": self.base, "wrappers": [w for w in self.wrappers if w.persistent]}
@@ -81,10 +59,8 @@ def forward_stack(module: nn.Module) -> ForwardStack | None:
 
 
 def install_wrapper(module: nn.Module, wrapper: ForwardWrapper, innermost: bool = False) -> ForwardStack:
-    """Add ``wrapper`` as the outermost wrapper of ``module``'s forward (``innermost=True``: the innermost,
-    right above the forward found at install time, whatever was installed before or is installed later).
-
-    Returns the stack the wrapper went into (keep it to remove the wrapper later).
+    """Add ``wrapper`` as the outermost wrapper of ``module``'s forward (``innermost=True``: the innermost, whatever
+    is installed before or later); returns the stack it went into, to remove it with.
 
     Raises:
         RuntimeError: ``module`` already has a wrapper of that name.
@@ -126,10 +102,9 @@ def get_wrapper(module: nn.Module, name: str) -> ForwardWrapper | None:
 def remove_wrapper(module: nn.Module, name: str, stack: ForwardStack | None = None) -> bool:
     """Remove the wrapper called ``name`` wherever it sits; returns whether one was removed.
 
-    When the last wrapper goes and the stack is still the module's forward, the forward that was there
-    before the first install is restored exactly. ``stack`` is the stack the wrapper was installed in
-    (remembered by its owner): it lets a wrapper be removed even after a foreign function has replaced
-    the module's forward on top of the stack, which then keeps working as a pass-through.
+    When the last wrapper goes and the stack is still the module's forward, the forward found at the first install is
+    restored. ``stack`` (the one the wrapper went into) removes it even where a foreign function has replaced the
+    module's forward on top of the stack, which then stays a pass-through.
     """
     stack = stack if stack is not None else forward_stack(module)
     if stack is None:

@@ -14,9 +14,6 @@ from lcsb_lightning.blocks import BlocksSpec, find_blocks, shared_param_ids
 from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.prefix_cache import FrozenPrefix
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> dict[int, int | float]:
     """``schedule`` as ``{epoch: blocks}``, sorted; from a mapping or a list of ``[epoch, blocks]`` pairs (the
     form a Hydra override replaces as a whole: ``freeze.schedule=[[1,0.75]]``)."""
@@ -49,24 +46,17 @@ def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> di
 class ProgressiveFreezing(FitScopedCallback):
     r"""Freeze the lowest transformer blocks as the epochs go by, and stop computing them at all.
 
-    From the epochs named in ``schedule`` on, the lowest blocks (and an input embedding below them, if
-    it trains) stop training: their parameters get ``requires_grad=False``, they run without a graph, so
-    their backward is gone, and with ``cache=True`` their output for each training example is stored the
-    first time it is computed (:class:`~lcsb_lightning.prefix_cache.FrozenPrefix`). From the next epoch
-    on, a batch whose examples are all stored skips the frozen blocks' forward too: block ``k`` receives
-    the stored hidden states, exactly what the frozen blocks would compute. This is the AutoFreeze /
-    Egeria idea, for the multi-epoch LoRA fine-tuning of small data sets: the first epoch after a
-    freeze pays the frozen blocks' forward and no backward, the later ones pay neither.
+    From the epochs named in ``schedule`` on, the lowest blocks (and an input embedding below them, if it trains) get
+    ``requires_grad=False`` and run without a graph; with ``cache=True`` their output per training example is stored
+    the first time (:class:`~lcsb_lightning.prefix_cache.FrozenPrefix`), so the later epochs skip their forward too
+    (AutoFreeze / Egeria, for multi-epoch LoRA fine-tuning of small data sets).
 
-    It works alone (full backprop above the frozen blocks) and beside :class:`~lcsb_lightning.LCSBCallback`
-    (selective backprop above them: its policy selects over the blocks that still train, re-bound at each freeze,
-    :meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`). Frozen parameters get no update of any kind, whatever
-    LCSB's ``unreached``. The parameters it froze get ``requires_grad`` back when fit ends; a new fit starts
-    unfrozen, a fit resumed from a checkpoint re-freezes the checkpoint's blocks before its first batch.
-    An input embedding tied to the LM head (``cache=False`` only) is never frozen: it trains on as the head.
-
-    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` would also turn on
-    the base weights, and its ``finetune_function`` is skipped when Lightning resumes mid-epoch.
+    It works alone and beside :class:`~lcsb_lightning.LCSBCallback`, whose policy then selects over the blocks that
+    still train (:meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`); frozen parameters get no update of any
+    kind. They get ``requires_grad`` back when fit ends; a fit resumed from a checkpoint re-freezes the checkpoint's
+    blocks before its first batch. An input embedding tied to the LM head (``cache=False`` only) trains on as the head.
+    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` would also turn on the base
+    weights, and its ``finetune_function`` is skipped when Lightning resumes mid-epoch.
 
     Args:
         schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that
@@ -75,15 +65,11 @@ class ProgressiveFreezing(FitScopedCallback):
         cache: Store the frozen blocks' outputs per example, in host memory, and reuse them (not while a
             dropout is active in the frozen blocks: warned). ``False``: only their backward is saved.
         max_cache_mb: At most this many MB of stored outputs (the rest are recomputed every epoch).
-        cache_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to store the outputs in (the
-            half-precision ones halve the memory and make a replay inexact); ``None``: the activations'.
         blocks: How to find the blocks, as for :class:`~lcsb_lightning.LCSBCallback`.
 
     Raises:
-        ValueError: A bad argument; at fit start, several processes (each would freeze and cache on its own:
-            not supported yet), a schedule that freezes every block, or a trainable input embedding that
-            is tied to the LM head with ``cache=True`` (it changes at every step, so its outputs cannot be
-            reused).
+        ValueError: A bad argument; at fit start, several processes, a schedule that freezes every block, or a
+            trainable input embedding tied to the LM head with ``cache=True``.
 
     Example::
 
@@ -92,19 +78,13 @@ class ProgressiveFreezing(FitScopedCallback):
     """
 
     def __init__(
-        self,
-        schedule: Mapping[int, int | float] | Sequence[Sequence[int | float]],
-        cache: bool = True,
-        max_cache_mb: float = 2048.0,
-        cache_dtype: str | None = None,
-        blocks: BlocksSpec = "auto",
+        self, schedule: Mapping[int, int | float] | Sequence[Sequence[int | float]], cache: bool = True,
+        max_cache_mb: float = 2048.0, blocks: BlocksSpec = "auto"
     ) -> None:
         self.schedule = _check_schedule(schedule)
         if not isinstance(max_cache_mb, (int, float)) or isinstance(max_cache_mb, bool) or max_cache_mb < 0:
             raise ValueError(f"`max_cache_mb={max_cache_mb!r}` must be a number >= 0.")
-        if cache_dtype is not None and cache_dtype not in _DTYPES:
-            raise ValueError(f"`cache_dtype={cache_dtype!r}` is not supported; allowed: None, {', '.join(_DTYPES)}.")
-        self.cache, self.max_cache_mb, self.cache_dtype, self.blocks = bool(cache), float(max_cache_mb), cache_dtype, blocks
+        self.cache, self.max_cache_mb, self.blocks = bool(cache), float(max_cache_mb), blocks
         self.prefix: FrozenPrefix | None = None
         self.frozen = 0
         self._frozen_params: list[nn.Parameter] = []
@@ -118,12 +98,9 @@ class ProgressiveFreezing(FitScopedCallback):
     def blocks_at(self, epoch: int, num_blocks: int) -> int:
         """How many of ``num_blocks`` blocks the schedule freezes in ``epoch``."""
         amounts = [amount for start, amount in self.schedule.items() if start <= epoch]
-        if not amounts:
-            return 0
-        amount = amounts[-1]
+        amount = amounts[-1] if amounts else 0
         return int(amount * num_blocks) if isinstance(amount, float) else int(amount)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -153,7 +130,7 @@ class ProgressiveFreezing(FitScopedCallback):
                 "an untied copy), or use ProgressiveFreezing(cache=False)."
             )
         max_bytes = int(self.max_cache_mb * 2**20) if self.cache else 0
-        self.prefix = FrozenPrefix(found, max_bytes=max_bytes, dtype=_DTYPES.get(self.cache_dtype or ""))
+        self.prefix = FrozenPrefix(found, max_bytes=max_bytes)
         rank_zero_info(f"ProgressiveFreezing: {dict(zip(self.schedule, counts))} of {len(found)} blocks frozen by "
                        f"epoch, cache={'on' if self.cache else 'off'}.")
 
@@ -171,7 +148,6 @@ class ProgressiveFreezing(FitScopedCallback):
             p.requires_grad_(True)
         self._frozen_params = []
 
-    # ---------------------------------------------------------------------------------- the steps
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.prefix is not None
         target = max(self.blocks_at(trainer.current_epoch, len(self.prefix.blocks)), self.frozen)
@@ -215,18 +191,17 @@ class ProgressiveFreezing(FitScopedCallback):
             return
         hit = self.prefix.hit
         self.prefix.end_batch()
-        below = [p for p in self.prefix.params_below if p.requires_grad]
+        below = [p for p in self.prefix.below if p.requires_grad]
         if below:  # found by the graph, for a model without get_input_embeddings()
             self._freeze_params(below)  # type: ignore[arg-type]
-            self.prefix.clear_store()  # computed while they still trained
+            self.prefix.store.clear()  # computed while they still trained
             if any(p.requires_grad for p in below):
-                self.prefix.disable("a tensor below the first block trains on (tied to the LM head)")
+                self.prefix.store.disable("a tensor below the first block trains on (tied to the LM head)")
         pl_module.log("freeze/frozen_blocks", float(self.prefix.frozen), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_hit", float(hit), on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("freeze/cache_mb", self.prefix.stats.stored_bytes / 2**20, on_step=False, on_epoch=True,
                       reduce_fx="max", batch_size=1)
 
-    # ---------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         return {"frozen": self.frozen}
 

@@ -11,51 +11,31 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.validation import check_int
 
 ACTIONS = ("skip", "rollback", "stop")
 
 
-class DivergenceGuard(Callback):
-    """Checks every optimizer step, before the update, for a non-finite loss, a non-finite gradient, or a
-    loss that has stayed above ``spike_factor`` times the median of the last ``window`` losses for
-    ``patience`` consecutive steps, and then acts:
+class DivergenceGuard(FitScopedCallback):
+    """Checks every optimizer step, before the update, for a non-finite loss or gradient, or a loss that has stayed
+    above ``spike_factor`` times the median of the last ``window`` losses for ``patience`` consecutive steps, and then:
 
-    ``"skip"``
-        the step makes no update: neither the parameters nor the optimizer state (moments, step
-        counts) change.
-    ``"rollback"``
-        the trainable parameters and the optimizer state go back to the last good snapshot (taken every
-        ``snapshot_every`` good steps, before the update of a step whose loss showed the state to be
-        good; in memory: LoRA-sized), every learning rate is multiplied by ``lr_factor`` (the
-        scheduler's base rates too), and the step makes no update.
-    ``"stop"``
-        the step makes no update and the fit stops with a message naming the step and the reason.
+    - ``"skip"``: the step makes no update (neither the parameters nor the optimizer state change);
+    - ``"rollback"``: the trainable parameters and the optimizer state go back to the last good in-memory snapshot
+      (taken every ``snapshot_every`` good steps, before their update), every learning rate (and the scheduler's base
+      rates) is multiplied by ``lr_factor``, and the step makes no update;
+    - ``"stop"``: the step makes no update and the fit stops, with a message naming the step and the reason.
 
-    A non-finite loss or gradient is acted on at once. A loss spike is acted on only when it lasts:
-    a single batch far above the median is what a healthy run with a heavy-tailed loss looks like
-    (a one-token classification loss over a few examples is near 0 on most batches and 2-4 on the
-    batch the model gets wrong, the batch to learn from), while a diverging run stays high. Spikes
-    shorter than ``patience`` are trained on and enter the running median; ``patience=1`` is the
-    single-step rule (for losses without such a tail). Under ``"skip"`` every further step of a
-    lasting spike is skipped too; a rollback starts the count afresh.
-
-    The decision is final whatever the order of the callbacks: the guard does not rely on the gradients
-    it clears (another callback's ``on_before_optimizer_step``, such as ``LCSBCallback`` giving the
-    blocks it does not train a zero gradient, may run after it and recreate them, and AdamW then still
-    applies momentum and weight decay). ``on_before_optimizer_step`` runs inside the closure that
-    ``optimizer.step(closure)`` calls, so the guard wraps each optimizer's ``step`` for the fit: the
-    wrapper runs the closure (forward, backward and every callback's hook) first, and calls the real
-    ``step`` only if the guard let the step through. The wrapper is removed when the fit ends.
-
-    Several processes: the loss (mean over ranks) and the non-finite flags are all-reduced before the
-    check, so every rank decides the same.
-
-    Every event goes to the loggers (``guard/events``) and to :attr:`events`.
+    A non-finite value is acted on at once, a spike only when it lasts: a single batch far above the median is what a
+    heavy-tailed loss (a one-token classification loss) looks like, so shorter spikes are trained on and enter the
+    median (``patience=1``: the single-step rule). The guard wraps each optimizer's ``step`` for the fit, so that the
+    real step runs only if the guard let it through, whatever the order of the callbacks (another one may recreate the
+    gradients the guard cleared). Under several processes the loss and the flags are all-reduced first, so every rank
+    decides the same. Every event goes to the loggers (``guard/events``) and to :attr:`events`.
 
     Args:
         action: ``"skip"``, ``"rollback"`` or ``"stop"``.
@@ -75,14 +55,8 @@ class DivergenceGuard(Callback):
     """
 
     def __init__(
-        self,
-        action: str = "skip",
-        spike_factor: float = 4.0,
-        window: int = 50,
-        warmup: int = 20,
-        lr_factor: float = 0.5,
-        snapshot_every: int = 25,
-        patience: int = 5,
+        self, action: str = "skip", spike_factor: float = 4.0, window: int = 50, warmup: int = 20,
+        lr_factor: float = 0.5, snapshot_every: int = 25, patience: int = 5
     ) -> None:
         if action not in ACTIONS:
             raise ValueError(f"`action={action!r}` is not supported; allowed: {', '.join(ACTIONS)}.")
@@ -96,25 +70,16 @@ class DivergenceGuard(Callback):
         self.events: list[dict[str, Any]] = []
         self._losses: deque[float] = deque(maxlen=self.window)
         self._loss: float | None = None
-        self._good_steps = 0
-        self._spikes = 0  # consecutive spikes so far
+        self._good_steps = self._spikes = 0  # good steps, consecutive spikes so far
         self._snapshot: dict[str, Any] | None = None
         self._vetoed: set[int] = set()  # ids of the optimizers whose current step must not happen
         self._wrapped: dict[int, tuple[Optimizer, Any, Any]] = {}  # id -> (optimizer, own `step` or None, wrapper)
 
-    # ------------------------------------------------------------------------------ setup & teardown
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in `setup`: the strategy has built the optimizers (and their schedulers) by now.
-        self._unwrap()
+        self._release()
         for optimizer in trainer.optimizers:
             self._wrap(optimizer)
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._unwrap()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap()
 
     def _wrap(self, optimizer: Optimizer) -> None:
         own = optimizer.__dict__.get("step")  # e.g. an LR scheduler's step counter, itself a wrapper
@@ -130,7 +95,7 @@ class DivergenceGuard(Callback):
         optimizer.step = wrapper  # type: ignore[method-assign]
         self._wrapped[id(optimizer)] = (optimizer, own, wrapper)
 
-    def _unwrap(self) -> None:
+    def _release(self) -> None:
         for optimizer, own, wrapper in self._wrapped.values():
             if optimizer.__dict__.get("step") is not wrapper:
                 continue  # wrapped again by someone else since: the wrapper stays, a pass-through
@@ -142,16 +107,15 @@ class DivergenceGuard(Callback):
         self._vetoed = set()
 
     def _guarded_step(self, optimizer: Optimizer, inner: Any, closure: Any, **kwargs: Any) -> Any:
-        if closure is None:  # AMP's grad scaler: the closure, and the guard's check, ran already
-            if id(optimizer) in self._vetoed:
-                self._vetoed.discard(id(optimizer))
-                return None
-            return inner(**kwargs)
-        with torch.enable_grad():  # as torch's optimizers call the closure
-            result = closure()
+        result = None
+        if closure is not None:  # None: AMP's grad scaler, which ran the closure (and the guard's check) already
+            with torch.enable_grad():  # as torch's optimizers call the closure
+                result = closure()
         if id(optimizer) in self._vetoed:
             self._vetoed.discard(id(optimizer))
             return result
+        if closure is None:
+            return inner(**kwargs)
         calls = 0
 
         def replay() -> Any:  # the closure's first call has run; later ones (LBFGS) run it again
@@ -161,7 +125,6 @@ class DivergenceGuard(Callback):
 
         return inner(closure=replay, **kwargs)
 
-    # ----------------------------------------------------------------------------------- hooks
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # Lightning has divided each micro-batch's loss by accumulate_grad_batches: the sum is the mean
         # loss of the update (a non-finite one stays non-finite).
@@ -195,7 +158,6 @@ class DivergenceGuard(Callback):
         rank_zero_warn(f"DivergenceGuard: step {step}: {reason}; {self._describe(event)}.")
         pl_module.log("guard/events", float(len(self.events)), on_step=True, on_epoch=False)
 
-    # --------------------------------------------------------------------------------- checks
     @staticmethod
     def _agree(trainer: Trainer, loss: float | None, non_finite_grad: bool) -> tuple[float | None, int, bool]:
         """The mean loss over the ranks, how many ranks saw a non-finite loss, and whether any saw a
@@ -234,15 +196,12 @@ class DivergenceGuard(Callback):
         return None, spike is None
 
     def _describe(self, event: dict[str, Any]) -> str:
-        if self.action == "skip":
-            return "the update was skipped"
-        if self.action == "stop":
-            return "the update was skipped and training stops"
-        restored = event.get("restored")
-        return (f"rolled back to the state after step {restored} and multiplied the learning rates by {self.lr_factor:g}"
-                if restored is not None else "no snapshot yet: the update was skipped")
+        if event.get("restored") is not None:
+            return (f"rolled back to the state after step {event['restored']} and multiplied the learning rates by "
+                    f"{self.lr_factor:g}")
+        return {"skip": "the update was skipped", "stop": "the update was skipped and training stops",
+                "rollback": "no snapshot yet: the update was skipped"}[self.action]
 
-    # ------------------------------------------------------------------------------- rollback
     @staticmethod
     def _take_snapshot(optimizer: Optimizer, step: int) -> dict[str, Any]:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -267,7 +226,6 @@ class DivergenceGuard(Callback):
                 scheduler.base_lrs = [lr * self.lr_factor for lr in scheduler.base_lrs]
         return int(self._snapshot["step"])
 
-    # ---------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"events": list(self.events), "losses": list(self._losses), "good_steps": self._good_steps,
                 "spikes": self._spikes}

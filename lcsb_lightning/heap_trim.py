@@ -1,5 +1,4 @@
-"""``HeapTrim``: the heap trims between a run's steps, for a float or a compressed model (Lightning glue over
-:mod:`lcsb_lightning.mebp._internal.heap`, which owns every trim and counts it)."""
+"""``HeapTrim``: heap trims between a run's steps (Lightning glue over :mod:`lcsb_lightning.mebp._internal.heap`)."""
 
 from __future__ import annotations
 
@@ -12,13 +11,8 @@ from lcsb_lightning.mebp._internal.heap import trim_heap
 
 class HeapTrim(Callback):
     """Returns freed heap memory to the OS after every training batch and around every evaluation (glibc's
-    ``malloc_trim``; a no-op elsewhere).
-
-    glibc keeps the pages a step frees for reuse, and with several threads allocating they pile up step after
-    step: the float main job's anonymous memory grew by 300 MB a step in its first steps without trims. Inside a
-    step the blocks' own wrappers trim (``QuantizedMeBP(release_heap=True)`` for a compressed model,
-    :func:`~lcsb_lightning.recompute.recompute_lower_blocks` for a float one). ``QuantizedMeBP`` logs the trims
-    of each step, these included, as ``mebp/heap_trims``. Nothing else changes: no allocator setting, no tensor.
+    ``malloc_trim``; a no-op elsewhere): with several threads allocating, the pages a step frees pile up (the float
+    main job grew by 300 MB a step without trims). ``QuantizedMeBP`` logs the trims as ``mebp/heap_trims``.
 
     Example::
 

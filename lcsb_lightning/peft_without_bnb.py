@@ -1,10 +1,7 @@
 """peft without bitsandbytes' import, for a model that holds no bitsandbytes layer.
 
-peft (0.22) imports bitsandbytes in every ``get_peft_model`` and ``PeftModel.from_pretrained`` when it is
-installed, to offer LoRA layers for its 8- and 4-bit ones. Its import pulls in ``torch._dynamo``, sympy and
-networkx: 43.5 MiB more anonymous memory after torch, transformers, peft and lightning (peft 0.22.0,
-bitsandbytes 0.50.2), in a run that never uses it. A model can hold a bitsandbytes layer only once
-bitsandbytes is imported, so until then peft is told it is not installed, and misses nothing.
+peft (0.22) imports bitsandbytes in ``get_peft_model`` and ``PeftModel.from_pretrained`` whenever it is installed,
+pulling in ``torch._dynamo``, sympy and networkx: 43.5 MiB more anonymous memory in a run that never uses it.
 """
 
 from __future__ import annotations
@@ -16,11 +13,8 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def peft_without_bitsandbytes() -> Iterator[None]:
-    """Within the block, peft finds no bitsandbytes unless it is imported already.
-
-    A ``None`` entry in ``sys.modules`` makes ``importlib.util.find_spec`` answer "not installed" and an
-    import fail; it is removed on leaving, and peft's cached answers are cleared, so that a later
-    ``import bitsandbytes`` (``QuantizedMeBP(fmt="nf4")``) and peft's bitsandbytes layers work as usual.
+    """Within the block, peft finds no bitsandbytes unless it is imported already (a ``None`` entry in
+    ``sys.modules``, removed on leaving with peft's cached answers, so that a later import works as usual).
 
     Example::
 

@@ -1,28 +1,12 @@
-"""Plain-torch core of progressive freezing: the lowest blocks stop training and their output is reused.
+"""Plain-torch core of progressive freezing: the lowest blocks run without a graph and their output is reused.
 
-Once the ``k`` lowest blocks (and whatever lies below them, an input embedding) no longer change, the
-hidden states they hand block ``k`` depend on the example alone. :class:`FrozenPrefix` then runs them
-without a graph (their backward is gone), stores block ``k - 1``'s output per training example the first
-time it computes it, and from then on skips their forward too for every batch whose examples are all
-stored: block ``k`` receives the stored hidden states, bit for bit what the frozen blocks would compute.
-That is the AutoFreeze / Egeria idea for multi-epoch fine-tuning: the first epoch after a freeze pays
-the frozen blocks' forward, the later ones pay nothing for them.
-
-An example is known by its tokens, and a stored output replays only where a probe of what block 0 receives
-matches what was stored (:mod:`lcsb_lightning.prefix_store`), so a ``training_step`` that masks or perturbs the
-inputs, shifts the positions or truncates the rows recomputes. With dynamic padding an example stored once replays
-into batches of any width as long as the loss reads no padded position (labels of -100 there), which the store learns
-from the gradient of a step; a loss that reads them (``labels=input_ids`` with pad = EOS) gets what the frozen blocks
-compute there, so a row then replays only into batches no wider than the one it was stored from. Only the first
-forward pass after :meth:`~FrozenPrefix.set_batch` replays or stores; a second one in the same step, evaluation (a
-block in ``eval()`` mode) and a forward pass with no batch set run the blocks as they are.
-
-The stored outputs live in host memory (the accelerator's is for the activations); a replay copies the
-batch's rows back. The prefix must really be frozen: the caller turns ``requires_grad`` off for its
-parameters and keeps the optimizer from moving them (:class:`~lcsb_lightning.freezing.ProgressiveFreezing`
-does both). A dropout active inside it (a ``p > 0`` dropout module or an attention dropout in training
-mode: peft's ``lora_dropout``, a residual dropout) would make a stored output one sample of it: a freeze
-that finds one stores nothing, with a warning.
+Once the ``k`` lowest blocks (and an input embedding below them) are frozen, block ``k``'s input depends on the
+example alone. :class:`FrozenPrefix` runs them under ``no_grad``, stores block ``k - 1``'s output per training example
+the first time (in host memory, see :mod:`lcsb_lightning.prefix_store`), and hands it to block ``k`` for every later
+batch whose examples are all stored (AutoFreeze / Egeria). Only the first forward pass after
+:meth:`~FrozenPrefix.set_batch` replays or stores; evaluation and a pass with no batch set run the blocks as they are.
+The caller freezes the prefix's parameters (:class:`~lcsb_lightning.freezing.ProgressiveFreezing` does); an active
+dropout in it would make a stored output one sample of it, so a freeze that finds one stores nothing, with a warning.
 """
 
 from __future__ import annotations
@@ -53,8 +37,7 @@ def _active_dropout(blocks: Sequence[nn.Module]) -> str | None:
 
 
 class _Batch:
-    """The current training batch: whether its first forward replays the stored outputs, is seeded by the
-    previous ones or computes (and stores)."""
+    """The current training batch: whether its first forward replays, is seeded by the previous outputs or stores."""
 
     def __init__(self, rows: list[Row]) -> None:
         self.rows = rows
@@ -63,9 +46,12 @@ class _Batch:
         self.hit: torch.Tensor | None = None  # block frozen - 1's output for the whole batch, when all rows are stored
         self.seed: torch.Tensor | None = None  # the previous outputs of the whole batch (no hit, all rows in previous)
 
+    @property
+    def replayed(self) -> bool:
+        return self.hit is not None or self.seed is not None
+
     def named(self) -> bool:
-        """Whether the running forward pass is the one :meth:`FrozenPrefix.set_batch` named the rows of: the first
-        since, and as many rows as named."""
+        """Whether the running forward pass is the first since :meth:`FrozenPrefix.set_batch`, with its rows."""
         return self.forwards == 1 and self.size == len(self.rows)
 
     def start_forward(self, hidden: torch.Tensor, kwargs: dict[str, Any], store: OutputStore) -> None:
@@ -84,8 +70,7 @@ class _Batch:
 
 
 class FrozenBlockForward:
-    """The frozen-prefix wrapper on one block (see the module docstring); innermost in its stack, so LCSB's
-    and QuantizedMeBP's wrappers above it keep their bookkeeping."""
+    """The frozen-prefix wrapper on one block; innermost, so LCSB's and QuantizedMeBP's wrappers keep their books."""
 
     name = FROZEN_WRAPPER
     persistent = False
@@ -93,15 +78,12 @@ class FrozenBlockForward:
     def __init__(self, prefix: FrozenPrefix, index: int) -> None:
         self.prefix, self.index = prefix, index
 
-    def frozen(self) -> bool:
-        return self.prefix.active(self.index)
-
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         prefix, store, batch = self.prefix, self.prefix.store, self.prefix.batch
         if not prefix.active(self.index) or batch is None:
             output = inner(*args, **kwargs)
             if self.index == len(prefix.blocks) - 1 and batch is not None and batch.named() and prefix.active(0):
-                self._watch_top(output, batch, store)
+                output = store.watch(batch.rows, output, batch.replayed, leaf=False)
             return output
         last = self.index == prefix.frozen - 1
         hidden_in = hidden_input(args, kwargs)
@@ -121,25 +103,11 @@ class FrozenBlockForward:
                 assert batch.probe is not None
                 store.remember(batch.rows, batch.probe, output)
         if last and named:
-            hidden = output if isinstance(output, torch.Tensor) else output[0]
-            padded = store.padding_to_watch(batch.rows, hidden, batch.hit is not None or batch.seed is not None)
-            if padded is not None:
-                output = replace_hidden(output, lambda hidden: store.watch_padding(hidden, padded))
+            output = store.watch(batch.rows, output, batch.replayed, leaf=True)
         if last and prefix.frozen < len(prefix.blocks) and uses_reentrant_checkpoint(prefix.blocks[prefix.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
             output = replace_hidden(output, _requiring_grad)
         return output
-
-
-    @staticmethod
-    def _watch_top(output: Any, batch: _Batch, store: OutputStore) -> None:
-        """The top block's output in a named forward above frozen blocks: its gradient tells whether the loss reads
-        the padded positions, on every step whose backward starts in a block above the frozen ones."""
-        hidden = output if isinstance(output, torch.Tensor) else output[0]
-        if hidden.requires_grad:
-            padded = store.padding_to_watch(batch.rows, hidden, batch.hit is not None or batch.seed is not None)
-            if padded is not None:
-                store.watch_top(hidden, padded)
 
 
 def _requiring_grad(hidden: torch.Tensor) -> torch.Tensor:
@@ -153,8 +121,6 @@ class FrozenPrefix:
         blocks: The transformer blocks, in order.
         max_bytes: At most this much stored output (the examples beyond it are recomputed every time);
             ``0`` stores nothing, and only the backward of the frozen blocks is saved.
-        dtype: Store the outputs in this dtype (``torch.bfloat16`` halves the memory; then a replay is no
-            longer bit-exact); ``None``: the activations' own.
 
     Example::
 
@@ -176,19 +142,17 @@ class FrozenPrefix:
         >>> prefix.remove()
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int = 2**31, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], max_bytes: int = 2**31) -> None:
         if max_bytes < 0:
             raise ValueError(f"`max_bytes={max_bytes}` must be >= 0 (0: store nothing).")
         self.blocks = list(blocks)
         self.frozen = 0  # how many of the lowest blocks are frozen
-        self.store = OutputStore(int(max_bytes), dtype)
+        self.store = OutputStore(int(max_bytes))
         self.batch: _Batch | None = None  # the current training batch; None: run the blocks as they are
         self.below: list[torch.Tensor] = []  # trainable tensors below the first block (an input embedding)
         self._stacks: list[ForwardStack] = []
         try:
             for index, block in enumerate(self.blocks):
-                if get_wrapper(block, FROZEN_WRAPPER) is not None:
-                    raise RuntimeError(f"{type(block).__name__} already has a frozen-prefix wrapper installed.")
                 self._stacks.append(install_wrapper(block, FrozenBlockForward(self, index), innermost=True))
         except BaseException:
             self.remove()
@@ -199,14 +163,9 @@ class FrozenPrefix:
         return self.store.stats
 
     @property
-    def params_below(self) -> list[torch.Tensor]:
-        """Trainable tensors found below the first block (an input embedding) by a frozen forward."""
-        return list(self.below)
-
-    @property
     def padding_read(self) -> bool | None:
-        """Whether the training step's loss reads the frozen blocks' output at padded positions (then a stored row
-        replays only into batches no wider than it was stored from); None until a step's gradient has shown it."""
+        """Whether the loss reads the frozen blocks' output at padded positions (:mod:`~lcsb_lightning.prefix_store`);
+        None until a step's gradient has shown it."""
         return self.store.padding_read
 
     @property
@@ -221,9 +180,8 @@ class FrozenPrefix:
     def freeze(self, num_blocks: int) -> None:
         """Freeze the ``num_blocks`` lowest blocks.
 
-        A freeze that grows keeps the outputs stored so far until the newly frozen blocks have started from
-        each of them once (an example's first pass then runs only the blocks frozen since); any other
-        change empties the store.
+        A freeze that grows keeps the stored outputs as where the newly frozen blocks start from, once per example;
+        any other change empties the store.
         """
         if not 0 <= num_blocks <= len(self.blocks):
             raise ValueError(f"`num_blocks={num_blocks}` is outside 0..{len(self.blocks)} (the model's blocks).")
@@ -235,16 +193,8 @@ class FrozenPrefix:
         self.frozen = num_blocks
         dropout = _active_dropout(self.blocks[:num_blocks])
         if dropout:
-            self.disable(f"dropout is active in the frozen blocks ({dropout}): a stored output would be one "
-                         "sample of it. Set it to 0 (peft's lora_dropout) to reuse their outputs")
-
-    def disable(self, reason: str) -> None:
-        """Store nothing from now on, warning once with ``reason``; the frozen blocks still run without a graph."""
-        self.store.disable(reason)
-
-    def clear_store(self) -> None:
-        """Forget every stored output (they were computed with weights that have changed since)."""
-        self.store.clear()
+            self.store.disable(f"dropout is active in the frozen blocks ({dropout}): a stored output would be one "
+                               "sample of it. Set it to 0 (peft's lora_dropout) to reuse their outputs")
 
     def set_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Name the examples of the training batch whose forward pass comes next (rows of ``input_ids``)."""
@@ -275,4 +225,4 @@ class FrozenPrefix:
 def is_frozen(block: nn.Module) -> bool:
     """Whether ``block`` runs frozen in the current training forward pass (False without a :class:`FrozenPrefix`)."""
     wrapper = get_wrapper(block, FROZEN_WRAPPER)
-    return isinstance(wrapper, FrozenBlockForward) and wrapper.frozen()
+    return isinstance(wrapper, FrozenBlockForward) and wrapper.prefix.active(wrapper.index)

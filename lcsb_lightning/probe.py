@@ -1,11 +1,6 @@
-"""Gradient-fidelity probe: how close is the gradient a selective step used to the exact one?
-
-On a probe step the exact gradient of every managed block parameter is computed once more on the same
-batch (full backprop, through ``torch.autograd.grad``, so ``.grad`` and gradient-synchronisation
-hooks are untouched) and compared, block by block, with the gradient the step is about to apply:
-the cosine similarity and the norm ratio ``|used| / |exact|``. Blocks that did not train this step
-(their gradient is zero or absent) are left out.
-"""
+"""Gradient-fidelity probe: per trained block, the cosine and norm ratio ``|used| / |exact|`` of the gradient a
+selective step is about to apply to the exact one, recomputed on the same batch through ``torch.autograd.grad``
+(``.grad`` and gradient-synchronisation hooks untouched)."""
 
 from __future__ import annotations
 
@@ -32,23 +27,13 @@ def _flat(tensors: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) 
 
 
 def probe_gradients(
-    step: int,
-    params_per_block: Sequence[Sequence[nn.Parameter]],
-    selection: Sequence[int],
-    exact_loss: Callable[[], torch.Tensor],
-    selective: SelectiveBackprop | None,
+    step: int, params_per_block: Sequence[Sequence[nn.Parameter]], selection: Sequence[int],
+    exact_loss: Callable[[], torch.Tensor], selective: SelectiveBackprop | None
 ) -> ProbeResult:
     """Compare the gradients in ``.grad`` of the ``selection`` blocks with their exact gradients.
 
-    Args:
-        step: The optimizer step (recorded in the result).
-        params_per_block: The trainable parameters of each block.
-        selection: The blocks that trained this step.
-        exact_loss: Recomputes the step's loss on the same batch (called once, with every block selected).
-        selective: LCSB's layers, switched to full backprop for the recomputation and restored after.
-
-    Returns:
-        The per-block cosines and norm ratios.
+    ``exact_loss`` recomputes the step's loss on the same batch, with ``selective`` (LCSB's wrappers) switched to
+    full backprop and restored after; ``step`` is recorded in the result.
     """
     chosen = [i for i in selection if params_per_block[i]]
     result = ProbeResult(step)

@@ -1,12 +1,9 @@
-"""This process's memory: the kernel's whole-process peak, ``/proc/self/status``, and a run's memory sampled
-phase by phase from loading to the saved adapter (the recipes' ``summary.json``, the memory benchmark).
+"""This process's memory: the kernel's whole-process peak, and a run's memory sampled phase by phase from loading
+to the saved adapter (the recipes' ``summary.json``, the memory benchmark).
 
-A daemon thread reads ``/proc/self/status`` every ``period_s``: ``VmRSS`` (the whole process,
-memory-mapped weights' resident pages included) and ``RssAnon`` (anonymous memory: what the
-process allocated, as MeBP's and MeSP's authors measure it). The baseline is taken after the
-libraries are imported, so ``peak_anon_above_imports`` is what the run itself holds at its worst.
-The whole-process peak is also the kernel's own (``ru_maxrss``), which no sampling interval can miss.
-Off Linux only ``ru_maxrss`` is known.
+A daemon thread reads ``VmRSS`` (the whole process, mapped weights included) and ``RssAnon`` (what the process
+allocated, as MeBP's authors measure it) from ``/proc/self/status``; the baseline is taken after the imports. Off
+Linux only ``ru_maxrss`` is known.
 """
 
 from __future__ import annotations
@@ -41,11 +38,8 @@ def read_status() -> dict[str, float]:
 
 
 class RunMemory:
-    """Peak ``VmRSS`` and ``RssAnon`` of the whole run, of each named phase and of consecutive windows.
-
-    Phases (:meth:`phase`) name the parts of a run for its summary; windows (:meth:`mark`) cut a
-    training step at block boundaries for the memory benchmark's breakdown; :meth:`reset` starts the
-    overall peaks again (the benchmark's training steps after loading).
+    """Peak ``VmRSS`` and ``RssAnon`` of the whole run, of each named phase (:meth:`phase`, for the summary) and of
+    consecutive windows (:meth:`mark`, the memory benchmark's cuts of a step at block boundaries).
 
     Example::
 
@@ -124,8 +118,7 @@ class RunMemory:
                 name: {"peak_rss_mib": round(p["rss"], 1), "peak_anon_above_imports_mib": round(p["anon"] - base_anon, 1)}
                 for name, p in self.phases.items()
             }
-            sampled = self.peak_rss
-            anon = self.peak_anon
+            sampled, anon = self.peak_rss, self.peak_anon
         return {
             "peak_rss_mib": round(max(peak_rss_mb(), sampled), 1),
             "peak_anon_above_imports_mib": round(anon - base_anon, 1) if self.baseline else None,

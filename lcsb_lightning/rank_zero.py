@@ -1,9 +1,5 @@
-"""Rank-zero messages for the plain-torch core, without importing Lightning's trainer (``lightning.pytorch``).
-
-These are ``lightning_utilities``' helpers, the very functions ``lightning.pytorch.utilities.rank_zero`` re-exports:
-once Lightning is imported its logger shows them and its strategies keep ``rank_zero_only.rank`` up to date. Until
-then the rank comes from the launcher's environment, as Lightning itself reads it on import.
-"""
+"""Rank-zero messages for the plain-torch core without importing ``lightning.pytorch``: ``lightning_utilities``'
+helpers (which Lightning re-exports), with the rank taken from the launcher's environment until Lightning sets it."""
 
 from __future__ import annotations
 

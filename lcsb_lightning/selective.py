@@ -1,30 +1,12 @@
 """Plain-torch core of selective backpropagation: how a block that is not selected takes part in a step.
 
-A *cut* block runs its forward under ``no_grad`` and its output enters the graph through
-:class:`IdentityPath`: the value is the block's exact output, the backward passes the incoming
-gradient unchanged to the block's input (the residual path) and gives each of the block's trainable
-parameters an exact zero gradient. Nothing is stored, recomputed or decompressed for that block in
-backward, ``requires_grad`` is never changed, and every trainable parameter receives a gradient at
-every step, so plain DDP needs no ``find_unused_parameters`` and AdamW sees the zero of LCSB's
-"implicit updates".
-
-Each block carries one :class:`SelectiveForward` in its :class:`~lcsb_lightning.forward_wrap.ForwardStack`,
-in one of three modes:
-
-========== ===================================================================================
-``train``  selected: the block runs as usual
-``skip``   the paper's identity path: always cut (approximate gradients for the blocks below)
-``pass``   exact gradients: the block runs as usual when it lies above the lowest selected
-           block (the gradient has to pass through it), and is cut below it
-========== ===================================================================================
-
-Below the lowest selected block nothing needs a gradient this step, whatever sits there: a
-trainable input embedding (or soft prompt, or the full model's lower weights) trains on the steps
-whose backward reaches it, like a block, and receives an exact zero gradient on the others; an input
-that requires grad with no trainable parameter below it (``enable_input_require_grads``, which
-peft's ``prepare_model_for_kbit_training`` and Hugging Face gradient checkpointing call) gets no
-gradient at all. Where the lowest selected block runs under a *reentrant* activation checkpoint,
-which back-propagates only into inputs that require grad, the cut hands it a fresh leaf that does.
+A *cut* block runs its forward under ``no_grad`` and its output enters the graph through :class:`IdentityPath`: the
+block's exact output, whose backward passes the incoming gradient unchanged to the block's input (the residual path)
+and gives each trainable parameter an exact zero gradient. ``requires_grad`` never changes and every trainable
+parameter gets a gradient at every step, so plain DDP needs no ``find_unused_parameters``. Each block's
+:class:`SelectiveForward` is in one mode: ``train`` (selected: runs as usual), ``skip`` (the paper's identity path:
+always cut) or ``pass`` (exact gradients: runs as usual above the lowest selected block, cut below it). Below the
+lowest selected block nothing gets a gradient path: trainable tensors there (an embedding) get exact zeros.
 """
 
 from __future__ import annotations
@@ -41,15 +23,13 @@ from lcsb_lightning.hidden_states import hidden_input, replace_hidden, trainable
 
 #: Name of LCSB's wrapper in a block's forward stack.
 SELECTIVE_WRAPPER = "lcsb_selective"
-MODES = ("train", "skip", "pass")
 
 
 class IdentityPath(torch.autograd.Function):
     """``forward(h, o, *params) = o``; backward: ``g`` to ``h``, exact zeros to ``params``.
 
-    The output is a detached alias of ``o`` (computed under ``no_grad``): bit-exact, no copy, and not a
-    view, so in-place operations downstream are allowed. With ``o = h`` (a block that did run with a
-    graph) it is a free pass-through that only adds the zero gradients of ``params``.
+    The output is a detached alias of ``o``: bit-exact, no copy, not a view (in-place operations downstream are
+    allowed). With ``o = h`` it only adds the zero gradients of ``params``.
     """
 
     @staticmethod
@@ -81,21 +61,15 @@ def identity_path_output(hidden_in: torch.Tensor, output: Any, params: Sequence[
 
 
 class _Sinks:
-    """What the cut blocks of one forward pass share: the tensors waiting for a gradient path to carry
-    their exact zeros, and where the exact backward stops.
-
-    A block cut below the selection returns a tensor that needs no gradient, so the blocks above it
-    (the lowest selected one first) compute no input gradient they do not need. The zero gradients of
-    its parameters, and of whatever trainable graph lies below it (a trainable embedding), ride
-    instead on the first output above that does carry a gradient.
+    """What the cut blocks of one forward pass share.
 
     Attributes:
-        pending: Tensors whose zero gradients wait for the next output that requires grad.
+        pending: Tensors whose zero gradients wait for the next output that requires grad (a block cut below the
+            selection returns one that needs none, so the blocks above compute no input gradient they do not need).
         lowest: Index of the lowest block the exact backward reaches (``pass`` blocks below it are cut).
         leaf_for_reentrant: Whether the block just below ``lowest`` must return a leaf that requires grad
             (the lowest selected block runs under a reentrant checkpoint).
-        below: Trainable parameters found below the blocks by the first cut that saw them (their
-            gradients are exact zeros on the steps whose backward does not reach them).
+        below: Trainable parameters found below the blocks by the first cut that saw them.
     """
 
     def __init__(self) -> None:
@@ -106,17 +80,16 @@ class _Sinks:
         self.uncut_reported = False
 
     def warn_uncut(self, index: int) -> None:
-        if self.uncut_reported:
-            return
-        self.uncut_reported = True
-        warnings.warn(
-            f"LCSB cannot cut block {index} (nor any block run the same way): it runs under a reentrant "
-            "activation checkpoint applied outside it, whose forward has gradients disabled, so its backward "
-            "runs whatever the selection and selective backprop saves nothing there. Use "
-            "`use_reentrant=False`, or Hugging Face's `activation_checkpointing_enable()` (LCSB cuts its "
-            "blocks before they reach the checkpoint).",
-            stacklevel=2,
-        )
+        if not self.uncut_reported:
+            self.uncut_reported = True
+            warnings.warn(
+                f"LCSB cannot cut block {index} (nor any block run the same way): it runs under a reentrant "
+                "activation checkpoint applied outside it, whose forward has gradients disabled, so its backward "
+                "runs whatever the selection and selective backprop saves nothing there. Use "
+                "`use_reentrant=False`, or Hugging Face's `activation_checkpointing_enable()` (LCSB cuts its "
+                "blocks before they reach the checkpoint).",
+                stacklevel=2,
+            )
 
     def flush_into(self, output: Any) -> Any:
         if not self.pending:
@@ -144,7 +117,7 @@ class SelectiveForward:
         self.index = index
         self.mode = "train"
 
-    def cuts(self, hidden_in: torch.Tensor | None = None) -> bool:
+    def cuts(self) -> bool:
         """Whether this call is cut (``no_grad`` forward, no backward) rather than run with a graph."""
         if self.mode == "train" or not torch.is_grad_enabled():
             return False
@@ -205,8 +178,8 @@ def is_skipped(block: nn.Module) -> bool:
 class SelectiveBackprop:
     """Installs :class:`SelectiveForward` on a list of blocks and switches which blocks are selected.
 
-    Works without Lightning: ``set_selection`` before the forward pass decides which blocks are
-    back-propagated. In evaluation (gradients disabled) every block runs unchanged.
+    ``set_selection`` before the forward pass decides which blocks are back-propagated; with gradients disabled every
+    block runs unchanged.
 
     Args:
         blocks: The transformer blocks, in order.
@@ -230,10 +203,8 @@ class SelectiveBackprop:
     """
 
     def __init__(
-        self,
-        blocks: Sequence[nn.Module],
-        params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
-        backward: str = "identity",
+        self, blocks: Sequence[nn.Module], params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
+        backward: str = "identity"
     ) -> None:
         if backward not in ("identity", "selected_only"):
             raise ValueError(f"`backward={backward!r}` is not supported; allowed: identity, selected_only.")

@@ -154,8 +154,6 @@ RESUMES: dict[str, Resume] = {
                       r"the checkpoint has levels=4, this policy has levels=3.*build the policy with `levels=4`"),
     "dyadic-switch_every": (lambda: DyadicPolicy(switch_every=2), lambda: DyadicPolicy(), None, False,
                             r"has switch_every=2, this policy has switch_every=1.*with `switch_every=2`"),
-    "cyclic-descending": (lambda: CyclicPolicy(layers_per_step=2, descending=True), lambda: CyclicPolicy(layers_per_step=2),
-                          None, False, r"has descending=True, this policy has descending=False.*`descending=True`"),
     "cyclic-k": (lambda: CyclicPolicy(layers_per_step=2), lambda: CyclicPolicy(fraction=0.5), None, False,
                  r"has k=2, this policy has k=4.*`layers_per_step=2`"),
     "random-k": (lambda: RandomPolicy(layers_per_step=2), lambda: RandomPolicy(layers_per_step=3), None, False,

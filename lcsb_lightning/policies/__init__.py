@@ -13,25 +13,12 @@ dyadic     the top N/4 every round, N/2, N on a 3-level ruler    truncated backp
 """
 
 from lcsb_lightning.policies.base import (
-    SelectionPolicy,
-    available_policies,
-    balanced_groups,
-    build_policy,
-    register_policy,
+    SelectionPolicy, available_policies, balanced_groups, build_policy, register_policy,
 )
 from lcsb_lightning.policies.simple import CyclicPolicy, DyadicPolicy, FullPolicy, TopOnlyPolicy
 from lcsb_lightning.policies.stochastic import GradNormPolicy, RandomPolicy
 
 __all__ = [
-    "SelectionPolicy",
-    "available_policies",
-    "balanced_groups",
-    "build_policy",
-    "register_policy",
-    "CyclicPolicy",
-    "DyadicPolicy",
-    "FullPolicy",
-    "GradNormPolicy",
-    "RandomPolicy",
-    "TopOnlyPolicy",
+    "SelectionPolicy", "available_policies", "balanced_groups", "build_policy", "register_policy",
+    "CyclicPolicy", "DyadicPolicy", "FullPolicy", "GradNormPolicy", "RandomPolicy", "TopOnlyPolicy",
 ]

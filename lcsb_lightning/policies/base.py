@@ -15,54 +15,41 @@ Selection = tuple[int, ...]
 def balanced_groups(indices: list[int], num_groups: int) -> list[list[int]]:
     """Split ``indices`` into ``num_groups`` consecutive groups whose sizes differ by at most one."""
     base, extra = divmod(len(indices), num_groups)
-    groups, start = [], 0
-    for g in range(num_groups):
-        size = base + (1 if g < extra else 0)
-        groups.append(indices[start : start + size])
-        start += size
-    return groups
+    starts = [g * base + min(g, extra) for g in range(num_groups + 1)]  # the first `extra` groups hold one more
+    return [indices[start:end] for start, end in zip(starts, starts[1:])]
 
 
 class SelectionPolicy(ABC):
     """Chooses which blocks are back-propagated at each optimizer step.
 
-    A policy is built with its subset size, then bound to a model's block count with :meth:`setup`.
-    ``select(step)`` is called once per optimizer step with increasing steps; a new subset is chosen
-    every ``switch_every`` steps (one "round") and reused in between.
+    Built with its subset size, bound to a model's block count by :meth:`setup`; ``select(step)`` is called once per
+    optimizer step, with increasing steps, and chooses a new subset every ``switch_every`` steps (one "round").
 
     Args:
         layers_per_step: ``k``, the number of blocks trained per round.
-        fraction: ``f`` in (0, 1]; ``k = max(1, round(f * N))``. Give exactly one of ``k`` and ``f``
-            (policies that need neither say so with ``needs_size = False``).
+        fraction: ``f`` in (0, 1]; ``k = max(1, round(f * N))``. Give exactly one of ``k`` and ``f`` (unless
+            ``needs_size = False``).
         switch_every: optimizer steps between re-selections.
         seed: seed of the policy's random generator (if any).
     """
 
     #: Whether the policy needs exactly one of ``layers_per_step`` / ``fraction``.
     needs_size: bool = True
-    #: The attributes (constructor arguments, ``k``) that what the saved state means depends on, besides
-    #: ``num_blocks``: a checkpoint records them, and a policy built with other values refuses it, naming the
-    #: argument that resumes it.
+    #: Attributes the saved state's meaning depends on (besides ``num_blocks``): other values refuse a checkpoint.
     state_args: tuple[str, ...] = ("k", "switch_every")
-    #: The constructor arguments a checkpoint records that nothing saved depends on: a policy built with other values
-    #: continues the checkpoint with its own, with one warning naming the old and the new values.
+    #: Recorded arguments nothing saved depends on: other values continue a checkpoint, with one warning.
     changeable_args: tuple[str, ...] = ()
 
     def __init__(
-        self,
-        layers_per_step: int | None = None,
-        fraction: float | None = None,
-        switch_every: int = 1,
-        seed: int = 0,
+        self, layers_per_step: int | None = None, fraction: float | None = None, switch_every: int = 1,
+        seed: int = 0
     ) -> None:
         sizes = _given_sizes(layers_per_step, fraction)
         if sizes and not self.needs_size:
             name, value = next(iter(sizes.items()))
             raise ValueError(f"{type(self).__name__} takes no size: `{name}={value!r}`.")
         if layers_per_step is not None and fraction is not None:
-            raise ValueError(
-                f"Give only one of `layers_per_step` ({layers_per_step}) and `fraction` ({fraction})."
-            )
+            raise ValueError(f"Give only one of `layers_per_step` ({layers_per_step}) and `fraction` ({fraction}).")
         if self.needs_size and layers_per_step is None and fraction is None:
             raise ValueError(f"{type(self).__name__} needs `layers_per_step=k` or `fraction=f`; got neither.")
         if layers_per_step is not None:
@@ -78,7 +65,6 @@ class SelectionPolicy(ABC):
         self._round = -1
         self._selection: Selection = ()
 
-    # ----------------------------------------------------------------------------------------- setup
     def setup(self, num_blocks: int) -> None:
         """Bind the policy to a model with ``num_blocks`` blocks and resolve ``k``."""
         if num_blocks < 1:
@@ -93,10 +79,8 @@ class SelectionPolicy(ABC):
         self._on_setup()
 
     def rebind(self, num_blocks: int) -> None:
-        """Select, from now on, over the top ``num_blocks`` of the blocks bound so far: the lowest ones stopped
-        training (``ProgressiveFreezing`` froze them) or, with more, train again below them.
-
-        What the policy learned of the blocks it keeps carries over (block ``i`` becomes ``i - dropped``), ``k`` is
+        """Select, from now on, over the top ``num_blocks`` of the blocks bound so far (the lowest ones stopped
+        training, or with more, train again below them). What was learned of the kept blocks carries over, ``k`` is
         at most ``num_blocks`` (a ``fraction`` is of the new count), and a round under way is chosen anew.
 
         Example::
@@ -133,15 +117,13 @@ class SelectionPolicy(ABC):
         """Hook for subclasses: build per-model state after ``num_blocks`` and ``k`` are known."""
 
     def _on_rebind(self, dropped: int) -> None:
-        """Hook for subclasses: after :meth:`rebind` dropped the lowest ``dropped`` blocks (negative: added as many
-        below), keep what was learned of the others; by default the per-model state is built anew."""
+        """Hook for subclasses: :meth:`rebind` dropped the lowest ``dropped`` blocks (negative: added as many)."""
         self._on_setup()
 
     @property
     def cycle_steps(self) -> int | None:
-        """Optimizer steps after which the selections repeat, so that any window of a multiple of them
-        holds every kind of step in its share (a timing over such windows is a run's mean step time);
-        ``None``: no fixed cycle, or one that needs :meth:`setup` first."""
+        """Optimizer steps after which the selections repeat (a timing over a multiple of them is a run's mean step
+        time); ``None``: no fixed cycle, or one that needs :meth:`setup` first."""
         return None
 
     @property
@@ -149,7 +131,6 @@ class SelectionPolicy(ABC):
         """Rounds needed to visit every block once with ``k`` blocks per round."""
         return math.ceil(self.num_blocks / self.k)
 
-    # ------------------------------------------------------------------------------------- selection
     def select(self, step: int) -> Selection:
         """Sorted block indices to back-propagate at optimizer step ``step``."""
         if self.num_blocks == 0:
@@ -174,17 +155,13 @@ class SelectionPolicy(ABC):
     def observe(self, grad_norms: dict[int, float]) -> None:
         """Receive the gradient norm of each block trained this step (after gradient synchronisation)."""
 
-    # ---------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"round": self._round, "selection": list(self._selection), "num_blocks": self.num_blocks, "k": self.k,
                 **{name: getattr(self, name) for name in (*self.state_args, *self.changeable_args)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state of :meth:`state_dict`.
-
-        A checkpoint saved with other :attr:`changeable_args` (a ``seed`` whose generator state was saved, GradNorm's
-        ``exploration``) continues with this policy's values, and so does one of 0.7 or older, which records no
-        arguments: either with one warning.
+        """Restore the state of :meth:`state_dict`; other :attr:`changeable_args`, or none recorded (0.7 or older),
+        continue with this policy's values, with one warning.
 
         Raises:
             ValueError: the checkpoint was saved over another model or with other :attr:`state_args`, naming both

@@ -10,10 +10,8 @@ from lcsb_lightning.validation import check_int
 
 @register_policy("cyclic")
 class CyclicPolicy(SelectionPolicy):
-    """Layer-cyclic selection: the blocks split into consecutive groups of (at most) ``k``.
-
-    With ``G = ceil(N / k)`` groups of near-equal size, step ``t`` trains group
-    ``(t // switch_every) mod G``, so every block trains exactly once per cycle of ``G`` rounds.
+    """Layer-cyclic selection: round ``r`` trains group ``r mod G`` of ``G = ceil(N / k)`` consecutive groups of
+    near-equal size, so every block trains once per cycle of ``G`` rounds.
 
     Example::
 
@@ -23,16 +21,8 @@ class CyclicPolicy(SelectionPolicy):
         [(0, 1), (2, 3), (4, 5), (0, 1)]
     """
 
-    state_args = ("k", "switch_every", "descending")
-
-    def __init__(self, *args: Any, descending: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.descending = bool(descending)
-
     def _on_setup(self) -> None:
         self.groups = balanced_groups(list(range(self.num_blocks)), self.num_groups)
-        if self.descending:
-            self.groups.reverse()
 
     @property
     def cycle_steps(self) -> int | None:
@@ -68,19 +58,13 @@ class TopOnlyPolicy(SelectionPolicy):
 
 @register_policy("dyadic")
 class DyadicPolicy(SelectionPolicy):
-    """Top-down selection whose depth doubles on a ruler schedule: the top ``N / 2^(L-1)`` blocks every
-    round, twice as many every second round, ..., all ``N`` blocks every ``2^(L-1)``-th round.
-
-    Round ``r`` trains the top ``N / 2^(L-1-v)`` blocks, where ``v`` is the number of times 2 divides
-    ``r`` (capped at ``L - 1``; round 0 trains all). A block in the top ``N / 2^(L-1)`` trains every
-    round; one in the bottom half every ``2^(L-1)``-th. The expected depth is
-    ``N * (1 / 2^(L-1) + (L - 1) / 2^L)`` (``N/2`` for ``L = 3``, ``5N/16`` for ``L = 4``), and every gradient
-    is exact.
+    """Top-down selection whose depth doubles on a ruler schedule: round ``r`` trains the top ``N / 2^(L-1-v)``
+    blocks, ``v`` the times 2 divides ``r`` (capped at ``L - 1``; round 0 trains all). The expected depth is
+    ``N * (1 / 2^(L-1) + (L - 1) / 2^L)`` (``N/2`` for ``L = 3``), and every gradient is exact.
 
     Args:
-        levels: ``L``, the number of depths (``L = 3``, the default: N/4, N/2 and N; ``L = 4`` adds N/8).
-            3 levels reached 90% of full backprop's improvement sooner than 4 in every measured pipeline
-            (docs/results.md, "The default: 3 levels").
+        levels: ``L``, the number of depths (3, the default: N/4, N/2 and N, reached 90% of full backprop's
+            improvement sooner than 4 in every measured pipeline: docs/results.md).
 
     Example::
 

@@ -64,21 +64,11 @@ class RandomPolicy(SelectionPolicy):
 class GradNormPolicy(SelectionPolicy):
     """Importance selection from an EMA of each block's LoRA gradient norm, with bounded staleness.
 
-    The first cycle walks the blocks in consecutive groups to measure every block once (so do blocks that
-    start training again after a :meth:`rebind`), unless a block is overdue. After that a round trains, in order:
-
-    1. *overdue* blocks, i.e. untrained for ``max_staleness`` rounds or more, oldest first;
-    2. the highest-scoring remaining blocks, ``score = ema / max(ema) + exploration * staleness / G``,
-       with ``G = ceil(N / k)``; the exploration term lifts blocks the EMA has not seen lately.
-
-    **Staleness bound.** A block that becomes overdue has at most ``N - 1`` overdue blocks ahead of it
-    (older ones, or as old with a lower index), and ``k`` overdue blocks are served per round, so it
-    trains within ``G`` rounds. Hence no block goes more than ``max_staleness + G - 1`` rounds between
-    two trainings (``switch_every`` steps per round). When the lowest blocks stop training (:meth:`rebind`,
-    under ``ProgressiveFreezing``), the others keep their EMA and staleness, and the bound is that over the
-    blocks that still train; a gap across the change is at most the larger of the two bounds (with
-    ``layers_per_step`` or the default ``max_staleness``: a ``fraction``'s ``k`` shrinks with the blocks).
-    ``tests/test_policies.py`` and ``tests/test_freezing.py`` check the bound under adversarial norms.
+    The first cycle walks the unmeasured blocks in consecutive groups (unless one is overdue). After that a round
+    trains the *overdue* blocks (untrained for ``max_staleness`` rounds or more, oldest first), then the
+    highest-scoring others, ``score = ema / max(ema) + exploration * staleness / G`` with ``G = ceil(N / k)``.
+    An overdue block has at most ``N - 1`` ahead of it and ``k`` are served per round, so no block goes more than
+    :attr:`staleness_bound` ``= max_staleness + G - 1`` rounds untrained (across a :meth:`rebind`: the larger bound).
 
     Args:
         ema_decay: weight of the previous EMA value, in [0, 1).
@@ -89,12 +79,8 @@ class GradNormPolicy(SelectionPolicy):
     changeable_args = ("ema_decay", "exploration", "max_staleness")
 
     def __init__(
-        self,
-        *args: Any,
-        ema_decay: float = 0.9,
-        exploration: float = 0.1,
-        max_staleness: int | None = None,
-        **kwargs: Any,
+        self, *args: Any, ema_decay: float = 0.9, exploration: float = 0.1, max_staleness: int | None = None,
+        **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         if not 0.0 <= ema_decay < 1.0:
