@@ -6,11 +6,11 @@ then tokenizes it into lists of examples. Each example is a dict with ``input_id
 classification ones ``prompt_ids`` and ``label``.
 """
 
-from lcsb_lightning.recipes.tasks.base import Task, TaskData, data_source, extract_number
+from lcsb_lightning.recipes.tasks.base import Task, TaskData, extract_number
 from lcsb_lightning.recipes.tasks.chat import ChatTask
 from lcsb_lightning.recipes.tasks.classification import ClassificationTask
 from lcsb_lightning.recipes.tasks.lm_text import LMTextTask
 from lcsb_lightning.recipes.tasks.qa import QAJsonlTask
 
-__all__ = ["Task", "TaskData", "data_source", "extract_number", "ChatTask", "ClassificationTask", "LMTextTask",
+__all__ = ["Task", "TaskData", "extract_number", "ChatTask", "ClassificationTask", "LMTextTask",
            "QAJsonlTask"]

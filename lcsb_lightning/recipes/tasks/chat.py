@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
-from lcsb_lightning.recipes.data_io import check_hub, load_hub_rows, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, subsample, token_ids
+from lcsb_lightning.recipes.data_io import require_file
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, check_fraction, subsample, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -126,50 +126,32 @@ class ChatTask(Task):
         eval_fraction: Share of the conversations held out when there is no ``eval_path``.
         chat_template: A Jinja chat template, or a file holding one, instead of the tokenizer's (a model without
             one); null: the tokenizer's own.
-        hub: ``{path, name, train_split, eval_split}`` for ``datasets.load_dataset`` (rows with ``messages``).
-        data_dir: Read ``path``/``eval_path`` relative to this folder.
-        **kwargs: See :class:`Task`.
+        **kwargs: See :class:`Task` (``hub:`` rows hold ``messages``).
     """
 
     kind = "lm"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        eval_path: str | None = None,
-        eval_fraction: float = 0.1,
-        chat_template: str | None = None,
-        hub: Mapping[str, Any] | None = None,
-        data_dir: str | None = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, path: str | None = None, eval_path: str | None = None, eval_fraction: float = 0.1,
+                 chat_template: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        if not (0.0 < eval_fraction < 1.0):
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        self.eval_fraction, self.hub = eval_fraction, check_hub(hub) if hub else None
+        self.eval_fraction = check_fraction(eval_fraction)
         if chat_template is not None and "{" not in chat_template:  # a file, not a template
             chat_template = require_file(chat_template, hint="give a Jinja template or a file holding one").read_text()
         self.chat_template = chat_template
-        try:
-            self.source = data_source(data_dir, self.hub, bool(path))
-        except ValueError as exc:
-            raise ValueError("chat needs path= (a JSONL file of conversations) or hub=") from exc
+        self.source = self._source(bool(path), "path= (a JSONL file of conversations)")
         if self.source == "files":
-            if not path:
-                raise ValueError("chat needs path= (a JSONL file of conversations) under data_dir")
-            train = read_conversations(require_file(path, data_dir))
+            train = read_conversations(require_file(str(path), self.data_dir))
             if eval_path:
-                self._conversations = (train, read_conversations(require_file(eval_path, data_dir)))
+                self._conversations = (train, read_conversations(require_file(eval_path, self.data_dir)))
             else:
                 if len(train) < 2:
                     raise ValueError(f"{path} holds one conversation: give more, or eval_path=")
                 held = max(1, int(len(train) * eval_fraction))
                 self._conversations = (train[:-held], train[-held:])
 
-    def _hub_conversations(self, key: str, default: str) -> list[list[Message]]:
+    def _hub_conversations(self, name: str) -> list[list[Message]]:
         assert self.hub is not None
-        split = self.hub.get(key, default)
-        rows = load_hub_rows(self.hub, split)
+        split, rows = self._hub_rows(name)
         return [check_conversation(row, f"{self.hub['path']} {split} row {n}") for n, row in enumerate(rows, 1)]
 
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
@@ -178,8 +160,7 @@ class ChatTask(Task):
             raise ValueError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template; task=chat needs "
                              "a chat model (e.g. model=smollm2_135m), or task.chat_template=<a Jinja template or a file>")
         if self.source == "hub":
-            self._conversations = (self._hub_conversations("train_split", "train"),
-                                   self._hub_conversations("eval_split", "test"))
+            self._conversations = (self._hub_conversations("train"), self._hub_conversations("eval"))
         train, evals = self._conversations
         out: dict[str, list[Example]] = {"train": [], "eval": []}
         dropped = 0
