@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -20,28 +19,10 @@ from torch import nn
 
 from lcsb_lightning.export.lora_pairs import GGUFLora, gguf_lora
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
+from lcsb_lightning.recipes.outputs import atomic_file
 
 #: Tensor types a merged tensor can be stored in.
 MERGED_TYPES: tuple[str, ...] = ("F16", "Q8_0")
-
-
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A file written beside ``path`` and renamed onto it once complete (the umask's permissions)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager
@@ -67,7 +48,7 @@ def write_gguf_adapter(lora: GGUFLora, path: str | os.PathLike[str]) -> Path:
     for pair in lora.pairs:
         writer.add_tensor(f"{pair.gguf_name}.lora_a", pair.a)
         writer.add_tensor(f"{pair.gguf_name}.lora_b", pair.b)
-    with _quiet(logging.getLogger("gguf.gguf_writer")), _atomic_file(path) as handle:  # it logs each write at INFO
+    with _quiet(logging.getLogger("gguf.gguf_writer")), atomic_file(path, "wb") as handle:  # it logs each write at INFO
         writer.write_header_to_file(Path(handle.name))
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -177,7 +158,7 @@ def _write_merged(lora: GGUFLora, base: GGUFFile, path: Path, target: object) ->
         infos.append(_tensor_info(tensor.name, tuple(int(d) for d in tensor.shape), int(qtype), offset))
         offset += -(-nbytes // align) * align
     start, stop = base.metadata_span
-    with _atomic_file(path) as out:
+    with atomic_file(path, "wb") as out:
         out.write(b"GGUF" + struct.pack("<IQQ", base.version, len(entries), len(base.fields)))
         out.write(memoryview(base._map[start:stop]))
         out.write(b"".join(infos))

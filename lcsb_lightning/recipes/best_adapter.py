@@ -20,11 +20,20 @@ import lightning as L
 import torch
 from torch import nn
 
+from lcsb_lightning.export import save_gguf_adapter
 from lcsb_lightning.recipes.outputs import save_adapter
 
 MODES = ("min", "max")
 #: The file ``save_pretrained`` writes an adapter's tensors to.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def save_adapters(model: nn.Module, path: Path, gguf_base: str | Path | None = None) -> None:
+    """The adapter folder ``path`` (:func:`~lcsb_lightning.recipes.outputs.save_adapter`) and, with ``gguf_base``
+    (the GGUF file the base model was read from), ``path`` + ``.gguf``, the adapter as llama.cpp loads it."""
+    save_adapter(model, path)
+    if gguf_base is not None:
+        save_gguf_adapter(model, gguf_base, path.with_name(path.name + ".gguf"))
 
 
 class BestAdapter(L.Callback):
@@ -83,7 +92,7 @@ class BestAdapter(L.Callback):
         if not math.isfinite(value) or not self._improves(value):
             return False
         if self._writes:
-            save_adapter(model, self.path, self.gguf_base)
+            save_adapters(model, self.path, self.gguf_base)
         self.best_value, self.best_step = value, step
         self._to_restore = {}
         return True
@@ -99,7 +108,7 @@ class BestAdapter(L.Callback):
             current = {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()}
             try:
                 set_peft_model_state_dict(model, self._to_restore)
-                save_adapter(model, self.path, self.gguf_base)
+                save_adapters(model, self.path, self.gguf_base)
             finally:
                 set_peft_model_state_dict(model, current)
         self._to_restore = {}

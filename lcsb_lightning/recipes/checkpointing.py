@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lcsb_lightning.recipes.outputs import open_beside
+from lcsb_lightning.recipes.outputs import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +59,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         destination = Path(path)
-        handle, tmp = open_beside(destination, "wb")
         try:
-            with handle:
+            with atomic_file(destination, "wb") as handle:
                 torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, destination)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             raise OSError(exc.errno, f"could not write the checkpoint {destination}: {reason}; the previous "
                                      "checkpoint there, if any, is intact") from exc
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 class EpochShuffle(RandomSampler):

@@ -32,7 +32,7 @@ from lcsb_lightning.process_memory import RunMemory
 from lcsb_lightning.mebp.convert import stored_formats
 from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
-from lcsb_lightning.recipes.best_adapter import BestAdapter
+from lcsb_lightning.recipes.best_adapter import BestAdapter, save_adapters
 from lcsb_lightning.recipes.checkpointing import (
     CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
     resolve_checkpoint,
@@ -40,7 +40,7 @@ from lcsb_lightning.recipes.checkpointing import (
 from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
-from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
+from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
@@ -374,7 +374,7 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     curve = None
     if trainer.is_global_zero:
         with memory.phase("save"):
-            save_adapter(module.model, out / ADAPTER_NAME, prepared.gguf_base)  # adapter_best/: by BestAdapter
+            save_adapters(module.model, out / ADAPTER_NAME, prepared.gguf_base)  # adapter_best/: by BestAdapter
             if _merges(cfg):
                 save_merged_gguf(module.model, prepared.gguf_base, out / MERGED_NAME, str(cfg.export.merged_type))
         with memory.phase("plots"):
