@@ -143,15 +143,10 @@ def save_adapter(model: nn.Module, path: Path) -> Path:
 def replace_folder(fresh: Path, path: Path) -> None:
     """Move the complete folder ``fresh`` to ``path`` (a sibling), replacing what ``path`` holds.
 
-    A rename cannot replace a folder that has files (POSIX ``rename`` fails with ``ENOTEMPTY``, and the
-    swap that can, Linux's ``renameat2(RENAME_EXCHANGE)``, is not portable), so this takes three steps:
-    the previous folder is renamed aside, ``fresh`` is renamed in, and then the previous one is removed.
-    In that order ``path`` is never a partly written or partly removed folder: it holds the previous
-    adapter or the new one, and is missing only between the two renames, while both complete folders
-    are on disk beside it. Removing the previous folder first would leave a half-deleted one at
-    ``path`` if interrupted. If the second rename fails, the previous folder is renamed back.
-    A symbolic link at ``path`` (the adapter folders of 0.9) is replaced the same way, and the hidden
-    folder beside it that it points to is removed.
+    A rename cannot replace a folder that has files (``ENOTEMPTY``), so the previous folder is renamed aside,
+    ``fresh`` renamed in (the previous one renamed back if that fails), and only then the previous one removed:
+    ``path`` is never a partly written or partly removed folder. A symbolic link at ``path`` (the adapter
+    folders of 0.9) is replaced the same way, and the hidden folder it points to removed.
     """
     if not os.path.lexists(path):
         os.rename(fresh, path)
