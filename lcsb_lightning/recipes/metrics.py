@@ -7,7 +7,7 @@ import math
 import torch
 from torchmetrics import Metric
 
-IGNORE = -100
+from lcsb_lightning.recipes.batching import IGNORE
 
 
 class LanguageModelMetrics(Metric):
