@@ -166,8 +166,8 @@ class CausalLMModule(LightningModule):
 
     @torch.no_grad()
     def _update_lm_metrics(self, batch: Mapping[str, Any]) -> None:
-        """The LM metrics of one batch, streamed over the vocabulary (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`):
-        full logits of 4 x 256 tokens over a 49k vocabulary would be 200 MB."""
+        """The LM metrics of one batch, streamed over the vocabulary
+        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of 4 x 256 tokens x 49k would be 200 MB."""
         from lcsb_lightning.mebp.loss import lm_head_predictions
 
         hidden, head, transform = self._hidden_and_head(batch)
@@ -267,8 +267,8 @@ class CausalLMModule(LightningModule):
         opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay,
                                 betas=tuple(self.hparams.betas))
         name = self.hparams.schedule
-        sched = get_scheduler(
-            name, opt, num_warmup_steps=self.hparams.warmup_steps,
-            num_training_steps=int(self.trainer.estimated_stepping_batches),
-            scheduler_specific_kwargs={"min_lr_rate": self.hparams.min_lr_ratio} if name == "cosine_with_min_lr" else None)
+        sched = get_scheduler(name, opt, num_warmup_steps=self.hparams.warmup_steps,
+                              num_training_steps=int(self.trainer.estimated_stepping_batches),
+                              scheduler_specific_kwargs={"min_lr_rate": self.hparams.min_lr_ratio}
+                              if name == "cosine_with_min_lr" else None)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

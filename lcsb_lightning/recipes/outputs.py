@@ -16,7 +16,7 @@ from torch import nn
 
 
 def _hidden_beside(path: Path, create: Callable[[Path], Any]) -> tuple[Path, Any]:
-    """A new hidden path beside ``path`` (same folder: a rename onto ``path`` is atomic) and what ``create`` made of it."""
+    """A new hidden path beside ``path`` (a rename onto ``path`` is then atomic) and what ``create`` made of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fresh = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"

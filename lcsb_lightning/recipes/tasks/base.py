@@ -86,6 +86,11 @@ class Task:
         split = self.hub.get(f"{name}_split", "train" if name == "train" else self.eval_split)
         return split, load_hub_rows(self.hub, split)
 
+    def _subsampled(self, train: list[Any], evals: list[Any]) -> tuple[tuple[str, list[Any]], ...]:
+        """``("train", train)`` and ``("eval", evals)``, each cut to its limit (a seeded sample of ``train``)."""
+        return (("train", subsample(train, self.max_train_examples, self.seed)),
+                ("eval", subsample(evals, self.max_eval_examples, None)))
+
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Tokenize the task into training and evaluation examples of at most ``seq_len`` tokens."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
 from lcsb_lightning.recipes.data_io import require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, check_fraction, subsample, token_ids
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, check_fraction, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +19,8 @@ Message = dict[str, Any]
 
 
 def check_conversation(row: Any, where: str) -> list[Message]:
-    """The messages of one conversation ``{"messages": [{"role": ..., "content": ...}, ...]}``.
-
-    An assistant message may carry ``"weight": 0`` (the OpenAI fine-tuning format) to keep it out of the loss.
-
-    Args:
-        row: The parsed JSON line (or hub row).
-        where: Where the row comes from, for the errors, e.g. ``"chats.jsonl line 3"``.
+    """The messages of one conversation ``row``, ``{"messages": [{"role": ..., "content": ...}, ...]}``; an
+    assistant message with ``"weight": 0`` (the OpenAI fine-tuning format) stays out of the loss.
 
     Raises:
         ValueError: No ``messages`` list, a role outside system/user/assistant, a content that is not a string,
@@ -71,9 +66,8 @@ def read_conversations(path: Path) -> list[list[Message]]:
 def assistant_mask(tokenizer: Any, messages: list[Message], chat_template: str | None = None) -> Example:
     """The tokens of ``messages`` in the chat template, labelled on the assistant turns only.
 
-    Each assistant message's tokens are those that its rendering adds after the rendering of the messages
-    before it with the generation prompt (``<|im_start|>assistant\\n``), up to its end-of-turn token
-    (``<|im_end|>``) included: the newline a template writes after that token is not labelled.
+    Each assistant message's tokens are those its rendering adds after the messages before it with the generation
+    prompt, up to its end-of-turn token included (not the newline a template writes after that token).
 
     Example:
         >>> from transformers import ByT5Tokenizer
@@ -115,10 +109,9 @@ def assistant_mask(tokenizer: Any, messages: list[Message], chat_template: str |
 class ChatTask(Task):
     """Conversations in the model's own chat template, the loss on the assistant turns only (``chat``).
 
-    Each JSON line (or hub row) is ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}``,
-    the format of TRL, axolotl and the OpenAI fine-tuning API. The model's tokenizer renders them with its
-    ``chat_template`` (a GGUF's ``tokenizer.chat_template``); the labels are the tokens of each assistant
-    message and its end-of-turn token. A conversation cut by ``seq_len`` before any assistant token is dropped.
+    Each JSON line (or hub row) is ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}``
+    (TRL, axolotl, the OpenAI fine-tuning API), rendered with the tokenizer's ``chat_template``. A conversation
+    cut by ``seq_len`` before any assistant token is dropped.
 
     Args:
         path: JSONL file of conversations.
@@ -164,8 +157,7 @@ class ChatTask(Task):
         train, evals = self._conversations
         out: dict[str, list[Example]] = {"train": [], "eval": []}
         dropped = 0
-        for name, conversations in (("train", subsample(train, self.max_train_examples, self.seed)),
-                                    ("eval", subsample(evals, self.max_eval_examples, None))):
+        for name, conversations in self._subsampled(train, evals):
             for messages in conversations:
                 ex = assistant_mask(tokenizer, messages, self.chat_template)
                 ex = {key: value[:seq_len] for key, value in ex.items()}

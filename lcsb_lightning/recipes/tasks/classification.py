@@ -8,7 +8,7 @@ from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
 from lcsb_lightning.recipes.data_io import column_name, read_table, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, subsample, token_ids
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, token_ids
 
 
 class ClassificationTask(Task):
@@ -73,9 +73,9 @@ class ClassificationTask(Task):
         words = self.verbalizer_ids(tokenizer)
         budget = seq_len - max(len(w) for w in words)
         out: dict[str, list[Example]] = {}
-        for name, limit, seed in (("train", self.max_train_examples, self.seed), ("eval", self.max_eval_examples, None)):
+        for name, rows in self._subsampled(self._rows["train"], self._rows["eval"]):
             examples = []
-            for row in subsample(self._rows[name], limit, seed):
+            for row in rows:
                 prompt = token_ids(tokenizer, self.template.format(text=row["text"]))[-budget:]
                 word = words[row["label"]]
                 examples.append({"input_ids": prompt + word, "labels": [IGNORE] * len(prompt) + word,

@@ -33,7 +33,8 @@ class LMTextTask(Task):
             raise ValueError(f"unknown builtin text {builtin!r}; the only one is 'pydoc'")
         self.builtin, self.eval_fraction = builtin, check_fraction(eval_fraction)
         self.split_lines, self.max_chars = split_lines, max_chars
-        self.source = "builtin" if builtin else self._source(bool(train_files), "train_files (text files), builtin: pydoc")
+        needs = "train_files (text files) or builtin: pydoc"
+        self.source = "builtin" if builtin else self._source(bool(train_files), needs)
         files = self.source == "files"
         self.train_files = [require_file(f, self.data_dir) for f in train_files] if files else []
         self.eval_files = [require_file(f, self.data_dir) for f in eval_files] if files else []

@@ -9,7 +9,7 @@ from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
 from lcsb_lightning.recipes.data_io import check_fields, read_table, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, extract_number, subsample, token_ids
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, extract_number, token_ids
 
 
 class QAJsonlTask(Task):
@@ -75,8 +75,8 @@ class QAJsonlTask(Task):
             self._rows = {name: self._hub_rows(name)[1] for name in ("train", "eval")}
         out: dict[str, list[Example]] = {"train": [], "eval": []}
         skipped = 0
-        for name, limit, seed in (("train", self.max_train_examples, self.seed), ("eval", self.max_eval_examples, None)):
-            for row in subsample(self._rows[name], limit, seed):
+        for name, rows in self._subsampled(self._rows["train"], self._rows["eval"]):
+            for row in rows:
                 ex = self._example(tokenizer, row, seq_len)
                 if ex is None:
                     skipped += 1
