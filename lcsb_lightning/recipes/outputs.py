@@ -119,6 +119,10 @@ def save_adapter(model: nn.Module, path: Path) -> Path:
     previous adapter in place. The files get the umask's permissions, so the folder copies (``cp -r``,
     ``tar``) and loads (``PeftModel.from_pretrained(path)``) anywhere.
 
+    Args:
+        model: A ``peft.PeftModel``.
+        path: The adapter's folder.
+
     Raises:
         TypeError: not a peft model.
         ValueError: a trainable tensor is not finite (nothing is written).

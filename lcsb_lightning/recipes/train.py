@@ -168,7 +168,11 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
                   gguf_base: str | None = None) -> tuple[L.Trainer, Any]:
     """The Trainer of the run and its LCSB callback (None without a policy): the callbacks, logger and plugins
     the config names, the ``extra_callbacks``, and the divergence guard last (it sees the gradients LCSB leaves).
-    With ``gguf_base`` (the base model's GGUF file) the best adapter is also written as a GGUF adapter."""
+    With ``gguf_base`` (the base model's GGUF file) the best adapter is also written as a GGUF adapter.
+
+    Returns:
+        ``(trainer, lcsb_callback_or_None)``.
+    """
     mebp = build_group(cfg, "mebp", precision=mebp_precision(cfg))
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None

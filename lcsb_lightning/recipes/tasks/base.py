@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -86,10 +86,20 @@ class Task:
         split = self.hub.get(f"{name}_split", "train" if name == "train" else self.eval_split)
         return split, load_hub_rows(self.hub, split)
 
-    def _subsampled(self, train: list[Any], evals: list[Any]) -> tuple[tuple[str, list[Any]], ...]:
-        """``("train", train)`` and ``("eval", evals)``, each cut to its limit (a seeded sample of ``train``)."""
-        return (("train", subsample(train, self.max_train_examples, self.seed)),
-                ("eval", subsample(evals, self.max_eval_examples, None)))
+    def _tokenized(self, train: list[Any], evals: list[Any], example: Callable[[Any], Example | None],
+                   empty: str) -> TaskData:
+        """The examples that ``example`` makes of the rows (None: skipped), each part cut to its limit (a seeded
+        sample of ``train``); a ValueError ``empty`` (formatted with ``name`` and ``skipped``) where a part has none."""
+        out: dict[str, list[Example]] = {}
+        skipped = 0
+        for name, rows in (("train", subsample(train, self.max_train_examples, self.seed)),
+                           ("eval", subsample(evals, self.max_eval_examples, None))):
+            made = [example(row) for row in rows]
+            out[name] = [ex for ex in made if ex is not None]
+            skipped += len(made) - len(out[name])
+            if not out[name]:
+                raise ValueError(empty.format(name=name, skipped=skipped))
+        return TaskData(train=out["train"], eval=out["eval"], skipped=skipped)
 
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
         """Tokenize the task into training and evaluation examples of at most ``seq_len`` tokens."""

@@ -22,6 +22,10 @@ def check_conversation(row: Any, where: str) -> list[Message]:
     """The messages of one conversation ``row``, ``{"messages": [{"role": ..., "content": ...}, ...]}``; an
     assistant message with ``"weight": 0`` (the OpenAI fine-tuning format) stays out of the loss.
 
+    Args:
+        row: The parsed JSON line (or hub row).
+        where: Where the row comes from, for the errors, e.g. ``"chats.jsonl line 3"``.
+
     Raises:
         ValueError: No ``messages`` list, a role outside system/user/assistant, a content that is not a string,
             a weight other than 0 or 1, or no assistant message to learn from; the message names ``where``.
@@ -154,19 +158,14 @@ class ChatTask(Task):
                              "a chat model (e.g. model=smollm2_135m), or task.chat_template=<a Jinja template or a file>")
         if self.source == "hub":
             self._conversations = (self._hub_conversations("train"), self._hub_conversations("eval"))
-        train, evals = self._conversations
-        out: dict[str, list[Example]] = {"train": [], "eval": []}
-        dropped = 0
-        for name, conversations in self._subsampled(train, evals):
-            for messages in conversations:
-                ex = assistant_mask(tokenizer, messages, self.chat_template)
-                ex = {key: value[:seq_len] for key, value in ex.items()}
-                if all(label == IGNORE for label in ex["labels"]):
-                    dropped += 1
-                else:
-                    out[name].append(ex)
-            if not out[name]:
-                raise ValueError(f"no {name} conversation has an assistant token within seq_len={seq_len}")
-        if dropped:
-            log.warning("chat: %d conversation(s) dropped: no assistant token within seq_len=%d", dropped, seq_len)
-        return TaskData(train=out["train"], eval=out["eval"], skipped=dropped)
+
+        def example(messages: list[Message]) -> Example | None:
+            ex = assistant_mask(tokenizer, messages, self.chat_template)
+            ex = {key: value[:seq_len] for key, value in ex.items()}
+            return None if all(label == IGNORE for label in ex["labels"]) else ex
+
+        data = self._tokenized(*self._conversations, example,
+                               f"no {{name}} conversation has an assistant token within seq_len={seq_len}")
+        if data.skipped:
+            log.warning("chat: %d conversation(s) dropped: no assistant token within seq_len=%d", data.skipped, seq_len)
+        return data

@@ -72,15 +72,12 @@ class ClassificationTask(Task):
                 self._rows[name] = self._check(f"hub:{self.hub['path']}", list(rows[0]) if rows else [], rows)
         words = self.verbalizer_ids(tokenizer)
         budget = seq_len - max(len(w) for w in words)
-        out: dict[str, list[Example]] = {}
-        for name, rows in self._subsampled(self._rows["train"], self._rows["eval"]):
-            examples = []
-            for row in rows:
-                prompt = token_ids(tokenizer, self.template.format(text=row["text"]))[-budget:]
-                word = words[row["label"]]
-                examples.append({"input_ids": prompt + word, "labels": [IGNORE] * len(prompt) + word,
-                                 "prompt_ids": prompt, "label": row["label"]})
-            if not examples:
-                raise ValueError(f"the {name} file of the classification task holds no rows")
-            out[name] = examples
-        return TaskData(train=out["train"], eval=out["eval"])
+
+        def example(row: dict[str, Any]) -> Example:
+            prompt = token_ids(tokenizer, self.template.format(text=row["text"]))[-budget:]
+            word = words[row["label"]]
+            return {"input_ids": prompt + word, "labels": [IGNORE] * len(prompt) + word, "prompt_ids": prompt,
+                    "label": row["label"]}
+
+        return self._tokenized(self._rows["train"], self._rows["eval"], example,
+                               "the {name} file of the classification task holds no rows")

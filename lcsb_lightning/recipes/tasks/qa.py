@@ -73,15 +73,6 @@ class QAJsonlTask(Task):
         """Tokenize prompts and answers; drop examples whose prompt alone fills ``seq_len``."""
         if self.source == "hub":
             self._rows = {name: self._hub_rows(name)[1] for name in ("train", "eval")}
-        out: dict[str, list[Example]] = {"train": [], "eval": []}
-        skipped = 0
-        for name, rows in self._subsampled(self._rows["train"], self._rows["eval"]):
-            for row in rows:
-                ex = self._example(tokenizer, row, seq_len)
-                if ex is None:
-                    skipped += 1
-                else:
-                    out[name].append(ex)
-            if not out[name]:
-                raise ValueError(f"no {name} example fits seq_len={seq_len} ({skipped} prompts were too long)")
-        return TaskData(train=out["train"], eval=out["eval"], skipped=skipped)
+        return self._tokenized(self._rows["train"], self._rows["eval"],
+                               lambda row: self._example(tokenizer, row, seq_len),
+                               f"no {{name}} example fits seq_len={seq_len} ({{skipped}} prompts were too long)")
