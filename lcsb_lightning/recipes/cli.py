@@ -8,7 +8,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lcsb_lightning.recipes import CONFIG_MODULE
 
@@ -84,22 +84,17 @@ def hydra_task(cfg: DictConfig) -> float | None:
 
 
 def hydra_benchmark(cfg: DictConfig) -> None:
-    """Run the configured benchmark in Hydra's output directory."""
+    """Run the configured benchmark in Hydra's output directory; each arm's config is ``config.yaml`` composed
+    with the arm's overrides (and the run's ``data_dir``)."""
+    from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
     from lcsb_lightning.bench.runner import run_benchmark
 
     quiet_lightning_logging()
-    data_dir = cfg.get("data_dir")
-    extra = [f"data_dir={data_dir}"] if data_dir else []
-    run_benchmark(cfg.benchmark, HydraConfig.get().runtime.output_dir, lambda overrides: compose_finetune([*extra, *overrides]))
-
-
-def compose_finetune(overrides: Any) -> DictConfig:
-    """Compose the fine-tuning config (``config.yaml``) with ``overrides`` inside a running Hydra app."""
-    from hydra import compose
-
-    return compose(config_name="config", overrides=list(overrides))
+    extra = [f"data_dir={cfg.data_dir}"] if cfg.get("data_dir") else []
+    run_benchmark(cfg.benchmark, HydraConfig.get().runtime.output_dir,
+                  lambda overrides: compose(config_name="config", overrides=[*extra, *overrides]))
 
 
 #: The top-level modules each console script needs, and the extra that installs them.
