@@ -1,8 +1,5 @@
-"""Write a LoRA adapter as a GGUF adapter file, and a base GGUF file with the adapter merged in.
-
-Both files are written beside their final path and renamed into place: a failure leaves no file, or the
-previous one, never half of one.
-"""
+"""Write a LoRA adapter as a GGUF adapter file, and a base GGUF file with the adapter merged in; each is
+renamed into place once complete (:func:`~lcsb_lightning.recipes.outputs.atomic_file`)."""
 
 from __future__ import annotations
 
@@ -10,7 +7,6 @@ import contextlib
 import logging
 import os
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -20,28 +16,10 @@ from torch import nn
 
 from lcsb_lightning.export.lora_pairs import GGUFLora, gguf_lora
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
+from lcsb_lightning.recipes.outputs import atomic_file
 
 #: Tensor types a merged tensor can be stored in.
 MERGED_TYPES: tuple[str, ...] = ("F16", "Q8_0")
-
-
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A file written beside ``path`` and renamed onto it once complete (the umask's permissions)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager
@@ -54,36 +32,13 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def write_gguf_adapter(lora: GGUFLora, path: str | os.PathLike[str]) -> Path:
-    """Write ``lora`` (see :func:`~lcsb_lightning.export.lora_pairs.gguf_lora`) as a GGUF LoRA adapter: ``general.type
-    = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``, and F32 tensors ``<base tensor>.lora_a`` / ``.lora_b``."""
-    import gguf
-
-    path = Path(path)
-    writer = gguf.GGUFWriter(None, lora.architecture)
-    writer.add_type(gguf.GGUFType.ADAPTER)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, lora.alpha)
-    for pair in lora.pairs:
-        writer.add_tensor(f"{pair.gguf_name}.lora_a", pair.a)
-        writer.add_tensor(f"{pair.gguf_name}.lora_b", pair.b)
-    with _quiet(logging.getLogger("gguf.gguf_writer")), _atomic_file(path) as handle:  # it logs each write at INFO
-        writer.write_header_to_file(Path(handle.name))
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return path
-
-
 def save_gguf_adapter(model: nn.Module, base_gguf: str | os.PathLike[str], path: str | os.PathLike[str],
                       adapter_name: str = "default") -> Path:
     """Write ``model``'s LoRA adapter as a GGUF adapter that llama.cpp applies to ``base_gguf``.
 
-    The file loads as it is in llama.cpp (``llama-cli -m base.gguf --lora adapter.gguf``), ollama's
-    ``ADAPTER``, LM Studio and llama-cpp-python (``Llama(base, lora_path=...)``). It holds only the LoRA
-    weights (F32), named after ``base_gguf``'s tensors; Q and K rows of a llama file in its rotary order;
-    rsLoRA, ``rank_pattern`` and ``alpha_pattern`` scales carried exactly. The base file's weights are not
-    read, and no float copy of the base model is made.
+    The file loads in llama.cpp (``llama-cli -m base.gguf --lora adapter.gguf``), ollama's ``ADAPTER``, LM Studio
+    and llama-cpp-python. It holds the LoRA weights (F32), named after ``base_gguf``'s tensors, rsLoRA and
+    per-module scales carried exactly; the base file's weights are not read.
 
     Args:
         model: A ``peft.PeftModel`` (e.g. your LightningModule's ``self.model``) whose base model was
@@ -101,7 +56,22 @@ def save_gguf_adapter(model: nn.Module, base_gguf: str | os.PathLike[str], path:
         >>> from lcsb_lightning.export import save_gguf_adapter
         >>> save_gguf_adapter(module.model, "SmolLM2-135M-Instruct.Q4_1.gguf", "adapter.gguf")  # doctest: +SKIP
     """
-    return write_gguf_adapter(gguf_lora(model, base_gguf, adapter_name), path)
+    import gguf
+
+    lora, path = gguf_lora(model, base_gguf, adapter_name), Path(path)
+    writer = gguf.GGUFWriter(None, lora.architecture)  # general.type = adapter, adapter.type = lora, F32 pairs
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, lora.alpha)
+    for pair in lora.pairs:
+        writer.add_tensor(f"{pair.gguf_name}.lora_a", pair.a)
+        writer.add_tensor(f"{pair.gguf_name}.lora_b", pair.b)
+    with _quiet(logging.getLogger("gguf.gguf_writer")), atomic_file(path, "wb") as handle:  # it logs each write at INFO
+        writer.write_header_to_file(Path(handle.name))
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path
 
 
 def _tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int) -> bytes:
@@ -177,7 +147,7 @@ def _write_merged(lora: GGUFLora, base: GGUFFile, path: Path, target: object) ->
         infos.append(_tensor_info(tensor.name, tuple(int(d) for d in tensor.shape), int(qtype), offset))
         offset += -(-nbytes // align) * align
     start, stop = base.metadata_span
-    with _atomic_file(path) as out:
+    with atomic_file(path, "wb") as out:
         out.write(b"GGUF" + struct.pack("<IQQ", base.version, len(entries), len(base.fields)))
         out.write(memoryview(base._map[start:stop]))
         out.write(b"".join(infos))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,9 @@ import numpy as np
 _GGML_TYPE_F32 = 0
 
 
-def _without_extra_buffers(default: Callable[[], Any]) -> Callable[[], Any]:
-    """llama.cpp's default model parameters without its extra CPU buffer types (the repacked and AMX
-    layouts): with them, 0.3.36 crashed in ``decode`` on a Q4_1 file on an AVX512/AMX machine here."""
-
-    def params() -> Any:
-        value = default()
-        value.use_extra_bufts = False
-        return value
-
-    return params
-
-
 def load_llama(model_path: str | os.PathLike[str], lora_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
-    """``llama_cpp.Llama(model_path, lora_path=lora_path, **kwargs)`` with llama.cpp's extra CPU buffer types off.
+    """``llama_cpp.Llama(model_path, lora_path=lora_path, **kwargs)`` with llama.cpp's extra CPU buffer types (the
+    repacked and AMX layouts) off: with them, 0.3.36 crashed in ``decode`` on a Q4_1 file on an AVX512/AMX machine.
 
     Example::
 
@@ -43,7 +31,13 @@ def load_llama(model_path: str | os.PathLike[str], lora_path: str | os.PathLike[
     import llama_cpp.llama as llama_module
 
     default = llama_module.llama_cpp.llama_model_default_params
-    llama_module.llama_cpp.llama_model_default_params = _without_extra_buffers(default)  # read in Llama.__init__
+
+    def without_extra_buffers() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without_extra_buffers  # read in Llama.__init__
     try:
         return llama_cpp.Llama(model_path=os.fspath(model_path), lora_path=os.fspath(lora_path) if lora_path else None,
                                **{"verbose": False, **kwargs})

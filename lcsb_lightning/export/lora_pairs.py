@@ -59,12 +59,9 @@ def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, nn.Module]:
             if isinstance(module, LoraLayer) and (adapter_name in module.lora_A or adapter_name in module.lora_embedding_A)}
 
 
-def _adapter_config(model: nn.Module, adapter_name: str) -> object | None:
+def _config_refusals(model: nn.Module, adapter_name: str) -> list[str]:
     configs = getattr(model, "peft_config", None)
-    return configs.get(adapter_name) if isinstance(configs, dict) else None
-
-
-def _config_refusals(config: object | None) -> list[str]:
+    config = configs.get(adapter_name) if isinstance(configs, dict) else None
     if config is None:
         return []
     refusals = []
@@ -141,7 +138,7 @@ def _checked(model: nn.Module, reader: GGUFFile, adapter_name: str) -> tuple[dic
     layers = _lora_layers(model, adapter_name)
     if not layers:
         raise ValueError(f"The model has no LoRA layer of adapter {adapter_name!r}: nothing to export.")
-    refusals = _config_refusals(_adapter_config(model, adapter_name))
+    refusals = _config_refusals(model, adapter_name)
     for name, layer in layers.items():
         refusals.extend(_layer_refusals(name, layer, adapter_name))
     names = _tensor_names(model, layers, reader, refusals)

@@ -11,12 +11,9 @@ PADDED = ("input_ids", "labels")
 
 
 class PaddingCollator:
-    """Pads ``input_ids`` (pad id) and ``labels`` (``-100``) with ``transformers.DataCollatorForSeq2Seq``.
-
-    Padding goes on the tokenizer's ``padding_side`` (the recipes' tokenizers pad on the right, see
-    :func:`~lcsb_lightning.recipes.models._finish_tokenizer`) to the longest example, with an
-    ``attention_mask``; the other keys of the examples (``prompt_ids``, ``answer``, ``label``) are
-    kept as lists. Built once per data loader, called once per batch.
+    """Pads ``input_ids`` (pad id) and ``labels`` (``-100``) to the longest example, on the tokenizer's
+    ``padding_side``, with an ``attention_mask`` (``transformers.DataCollatorForSeq2Seq``); the other keys of the
+    examples (``prompt_ids``, ``answer``, ``label``) are kept as lists.
 
     Args:
         tokenizer: The tokenizer whose pad token id pads ``input_ids``.

@@ -1,14 +1,7 @@
-"""Write the adapter of the best evaluation beside the last one.
-
-Several epochs over a small data set overfit: the eval loss reaches its lowest value and then rises
-while the training loss keeps falling, so the adapter a run ends with is not its best. ``BestAdapter``
-writes the adapter (``save_pretrained``: the LoRA weights and any ``modules_to_save``) to its folder
-whenever an evaluation improves on the best so far, as Lightning's ``ModelCheckpoint`` writes its best
-checkpoint. It holds no copy in memory between evaluations (a rank-16 adapter of SmolLM2-135M is
-18.6 MiB, a tenth of the phone-budget run's anonymous memory). A checkpoint carries the written
-tensors, so a resumed run writes the folder back as it was at that checkpoint and compares with its
-best evaluation.
-"""
+"""Write the adapter of the best evaluation beside the last one: several epochs over a small data set overfit,
+so the adapter a run ends with is not its best. No copy is held in memory between evaluations (a rank-16
+adapter of SmolLM2-135M is 18.6 MiB); a checkpoint carries the written tensors, so a resumed run writes the
+folder back as it was at that checkpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +13,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lcsb_lightning.export import save_gguf_adapter
 from lcsb_lightning.recipes.outputs import save_adapter
 
 MODES = ("min", "max")
@@ -27,27 +21,27 @@ MODES = ("min", "max")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def save_adapters(model: nn.Module, path: Path, gguf_base: str | Path | None = None) -> None:
+    """The adapter folder ``path`` (:func:`~lcsb_lightning.recipes.outputs.save_adapter`) and, with ``gguf_base``
+    (the GGUF file the base model was read from), ``path`` + ``.gguf``, the adapter as llama.cpp loads it."""
+    save_adapter(model, path)
+    if gguf_base is not None:
+        save_gguf_adapter(model, gguf_base, path.with_name(path.name + ".gguf"))
+
+
 class BestAdapter(L.Callback):
     """Write the adapter to ``path`` at every evaluation that improves ``monitor``.
 
-    Every evaluation counts, ``trainer.validate`` before and after ``fit`` included (an evaluation
-    before any training that stays the best yields the untrained adapter); the sanity check does not.
-    An evaluation without the metric, or with a non-finite value, is ignored. Each write is atomic
-    (:func:`~lcsb_lightning.recipes.outputs.save_adapter`): ``path`` always holds a complete adapter.
-    Only the global-zero process writes.
-
-    Not Lightning's ``ModelCheckpoint(monitor=..., mode=..., save_top_k=1)`` plus an export: that one saves
-    only while fitting (``_should_skip_saving_checkpoint``: ``trainer.state.fn != FITTING``), so the
-    evaluation before training, the best one when training only hurts, would never count; and each
-    improvement would write a whole checkpoint (optimizer state, loops), where the adapter is all that
-    is needed.
+    Every evaluation counts, ``trainer.validate`` before and after ``fit`` included (Lightning's
+    ``ModelCheckpoint`` saves only while fitting, so the untrained adapter could never be the best); the sanity
+    check, and an evaluation without the metric or with a non-finite value, do not. Each write is atomic
+    (:func:`~lcsb_lightning.recipes.outputs.save_adapter`); only the global-zero process writes.
 
     Args:
         path: The folder of the best adapter (``PeftModel.from_pretrained(path)`` loads it).
         monitor: The logged metric to compare (``"val/loss"``).
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
-        gguf_base: The base model's GGUF file: each write also writes ``path`` + ``.gguf``, the adapter as
-            llama.cpp loads it (:func:`~lcsb_lightning.recipes.outputs.save_adapter`).
+        gguf_base: The base model's GGUF file: each write also writes ``path`` + ``.gguf`` (:func:`save_adapters`).
 
     Example::
 
@@ -83,7 +77,7 @@ class BestAdapter(L.Callback):
         if not math.isfinite(value) or not self._improves(value):
             return False
         if self._writes:
-            save_adapter(model, self.path, self.gguf_base)
+            save_adapters(model, self.path, self.gguf_base)
         self.best_value, self.best_step = value, step
         self._to_restore = {}
         return True
@@ -99,7 +93,7 @@ class BestAdapter(L.Callback):
             current = {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()}
             try:
                 set_peft_model_state_dict(model, self._to_restore)
-                save_adapter(model, self.path, self.gguf_base)
+                save_adapters(model, self.path, self.gguf_base)
             finally:
                 set_peft_model_state_dict(model, current)
         self._to_restore = {}

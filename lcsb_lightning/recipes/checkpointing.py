@@ -1,14 +1,6 @@
-"""Crash-safe checkpoints of a recipe run: atomic writes, LoRA-sized contents, an exact data position.
-
-* :class:`AtomicCheckpointIO` writes a checkpoint next to its destination and renames it into place,
-  so a crash or a full disk never leaves a half-written file where the last good one was.
-* :class:`ResumableLoader` (a torchdata ``StatefulDataLoader``) with :class:`EpochShuffle` shuffles with
-  one seeded permutation per epoch; Lightning saves and restores its position and shards it under DDP,
-  so a resumed run reads exactly the batches an uninterrupted one would.
-* :class:`PreemptionCheckpoint` writes one after the current optimizer step on SIGTERM or SIGINT and stops the run.
-* :func:`resolve_checkpoint` / :func:`check_checkpoint` find and validate what ``resume=`` names,
-  before any model is loaded.
-"""
+"""Crash-safe checkpoints of a recipe run: atomic writes (:class:`AtomicCheckpointIO`), an exact data position
+(:class:`ResumableLoader`, :class:`EpochShuffle`), a checkpoint on SIGTERM/SIGINT (:class:`PreemptionCheckpoint`),
+and what ``resume=`` names found and validated before any model is loaded."""
 
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lcsb_lightning.recipes.outputs import open_beside
+from lcsb_lightning.recipes.outputs import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +32,11 @@ _YIELDED = "_num_yielded"  # the batches a single-process StatefulDataLoader ite
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` that writes to a temporary file in the destination folder, then renames it.
+    """``TorchCheckpointIO`` that writes through :func:`~lcsb_lightning.recipes.outputs.atomic_file`.
 
-    Lightning's own write (``cloud_io._atomic_save``, an fsspec transaction) is atomic only when the
-    system temp folder shares the checkpoint's filesystem: on a local disk fsspec writes to
-    ``tempfile.mkstemp()`` and commits with ``shutil.move``, which between filesystems (a tmpfs
-    ``/tmp``, a mounted volume) copies into the destination, so a full disk or a crash mid-copy leaves
-    a truncated file where the previous checkpoint was; and nothing is fsynced. This subclass keeps the
-    temporary file beside the destination (``os.replace`` is then atomic), fsyncs it before the rename,
-    and names the destination when the write fails. Loading and removal are Lightning's.
+    Lightning's own write (an fsspec transaction) goes through ``tempfile.mkstemp()`` and ``shutil.move``, which
+    between filesystems (a tmpfs ``/tmp``) copies into the destination: a full disk or a crash mid-copy leaves a
+    truncated file where the previous checkpoint was. Loading and removal are Lightning's.
 
     Raises:
         OSError: the write failed (for example ``ENOSPC``); the message names the destination, the
@@ -59,30 +47,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         destination = Path(path)
-        handle, tmp = open_beside(destination, "wb")
         try:
-            with handle:
+            with atomic_file(destination, "wb") as handle:
                 torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, destination)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             raise OSError(exc.errno, f"could not write the checkpoint {destination}: {reason}; the previous "
                                      "checkpoint there, if any, is intact") from exc
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 class EpochShuffle(RandomSampler):
-    """One seeded permutation per epoch, ``torch.randperm(n)`` seeded with ``seed + epoch``.
-
-    That is the order of ``DistributedSampler(shuffle=True, seed=seed)`` on one process, and being a
-    ``RandomSampler`` it is what Lightning replaces by that sampler under DDP (seeded with
-    ``PL_GLOBAL_SEED``, which ``seed_everything(seed)`` sets): each rank then reads its share of the same
-    per-epoch permutation.
+    """One permutation of ``range(size)`` per epoch, ``torch.randperm`` seeded with ``seed + epoch``: the order of
+    ``DistributedSampler(shuffle=True, seed=seed)`` on one process, which Lightning puts in its place under DDP
+    (a ``RandomSampler``), so each rank reads its share of the same permutation.
 
     Args:
         size: The number of examples.
@@ -107,15 +84,10 @@ class EpochShuffle(RandomSampler):
 
 
 class ResumableLoader(StatefulDataLoader):
-    """The training loader of the recipes: a ``StatefulDataLoader`` whose state also holds its sampler's epoch.
-
-    Lightning saves the loader's ``state_dict`` in every checkpoint (the batches yielded in the
-    current epoch) and loads it before creating the epoch's iterator, which fast-forwards past them;
-    under DDP it injects a ``DistributedSampler`` (re-creating this loader with the same arguments).
-    The epoch is saved too because that iterator is created, permutation included, before Lightning
-    calls ``set_epoch`` on a resume; a checkpoint written after the last batch of an epoch resumes at
-    the start of the next one (told by the single-process iterator's state: the recipes load with
-    ``num_workers=0``). Takes ``StatefulDataLoader``'s arguments (pass ``sampler=EpochShuffle(...)``).
+    """A ``StatefulDataLoader`` (Lightning saves and restores its position) whose state also holds its sampler's
+    epoch: on a resume the epoch's iterator, permutation included, is created before Lightning calls
+    ``set_epoch``. A checkpoint after an epoch's last batch resumes at the start of the next one (told by the
+    single-process iterator's state: the recipes load with ``num_workers=0``). Pass ``sampler=EpochShuffle(...)``.
     """
 
     def _epoch_sampler(self) -> Any:
@@ -146,18 +118,13 @@ class Preempted(SystemExit):
 
 class PreemptionCheckpoint(Checkpoint):
     """On SIGTERM (SLURM, spot instances) or SIGINT (Ctrl-C), write the resumable checkpoint ``path`` at the
-    end of the current optimizer step (with ``accumulate_grad_batches > 1``: after the last micro-batch of the
-    accumulation window, as a checkpoint holds no gradients) and stop the fit with Lightning's
-    ``SIGTERMException`` before the next.
+    end of the current optimizer step (after a whole accumulation window: a checkpoint holds no gradients) and
+    stop the fit with Lightning's ``SIGTERMException`` before the next.
 
-    The checkpoint is written where the periodic ones are, so a resume reads exactly the batches an
-    uninterrupted run would; a signal during validation lets it finish and stops after the next step.
-    Under DDP the ranks decide together at that point (any rank signalled: all save and stop), so a
-    signal to one process suffices. During training this replaces Lightning's own SIGTERM handler, whose
-    cross-rank broadcast from inside the handler can pair with another collective and hang the ranks.
-    A second Ctrl-C interrupts at once. A signal the process ignores when training starts (SIGINT in a
-    background job of a script or under ``nohup``) stays ignored. A ``Checkpoint`` callback, it runs after the other callbacks'
-    ``on_train_batch_end`` (as ``ModelCheckpoint`` does), so its checkpoint holds what theirs would.
+    Under DDP the ranks decide together at that point, so a signal to one process suffices; this replaces
+    Lightning's own SIGTERM handler, whose broadcast from inside the handler can pair with another collective
+    and hang the ranks. A second Ctrl-C interrupts at once; a signal ignored when training starts (``nohup``)
+    stays ignored. A ``Checkpoint`` callback, it runs after the other callbacks' ``on_train_batch_end``.
 
     Args:
         path: Where the checkpoint goes (the recipe's ``checkpoints/last.ckpt``).
@@ -229,9 +196,8 @@ def resolve_checkpoint(resume: str | os.PathLike[str]) -> Path:
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint on the CPU with ``weights_only=True`` (tensors and plain containers: unpickling runs no
-    code), or raise a ``ValueError`` naming the file (truncated, corrupted, holding other objects, or not a
-    recipe checkpoint) before any training."""
+    """The checkpoint loaded on the CPU with ``weights_only=True`` (unpickling runs no code), or a ``ValueError``
+    naming the file (truncated, corrupted, holding other objects, or not a recipe checkpoint)."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message

@@ -1,9 +1,5 @@
-"""The console scripts ``lcsb-finetune`` and ``lcsb-benchmark``: Hydra apps over the packaged configs.
-
-The configs are the repository's top-level ``conf/`` folder, installed as the package
-``lcsb_lightning.conf``, so both commands work from any folder after any install (editable or a
-wheel). Add your own config folder with Hydra's ``--config-dir`` (``-cd``); see ``recipes/``.
-"""
+"""The console scripts ``lcsb-finetune`` and ``lcsb-benchmark``: Hydra apps over the packaged configs (``conf/``,
+installed as ``lcsb_lightning.conf``); add your own config folder with Hydra's ``--config-dir`` (see ``recipes/``)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lcsb_lightning.recipes import CONFIG_MODULE
 
@@ -23,11 +19,9 @@ CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
 
-class _NoTips(logging.Filter):
+def _no_tips(record: logging.LogRecord) -> bool:
     """Drops Lightning's advertising tips ("💡 Tip: ... try installing ...")."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "💡 Tip" not in record.getMessage()
+    return "💡 Tip" not in record.getMessage()
 
 
 def quiet_lightning_logging() -> None:
@@ -39,9 +33,8 @@ def quiet_lightning_logging() -> None:
             if type(handler) is logging.StreamHandler:
                 logger.removeHandler(handler)
         logger.propagate = True
-    tips = _NoTips()
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(tips)
+        logging.getLogger(name).addFilter(_no_tips)
     # Deprecations between the libraries (peft reads transformers' `is_gradient_checkpointing`, Lightning's
     # pytree helper checks torch's `LeafSpec`, torchdata's loader calls torch's `set_vital`): nothing a
     # recipe user can act on.
@@ -51,7 +44,7 @@ def quiet_lightning_logging() -> None:
 
 
 def resumed_config(resume: str, overrides: list[str]) -> tuple[DictConfig, Path]:
-    """The config and folder of the run that ``resume=`` names: the config the run saved when it started.
+    """The config the run that ``resume=`` names saved when it started, and its folder.
 
     Raises:
         ValueError: other overrides were given (a resumed run continues with its own settings).
@@ -91,22 +84,17 @@ def hydra_task(cfg: DictConfig) -> float | None:
 
 
 def hydra_benchmark(cfg: DictConfig) -> None:
-    """Run the configured benchmark in Hydra's output directory."""
+    """Run the configured benchmark in Hydra's output directory; each arm's config is ``config.yaml`` composed
+    with the arm's overrides (and the run's ``data_dir``)."""
+    from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
     from lcsb_lightning.bench.runner import run_benchmark
 
     quiet_lightning_logging()
-    data_dir = cfg.get("data_dir")
-    extra = [f"data_dir={data_dir}"] if data_dir else []
-    run_benchmark(cfg.benchmark, HydraConfig.get().runtime.output_dir, lambda overrides: compose_finetune([*extra, *overrides]))
-
-
-def compose_finetune(overrides: Any) -> DictConfig:
-    """Compose the fine-tuning config (``config.yaml``) with ``overrides`` inside a running Hydra app."""
-    from hydra import compose
-
-    return compose(config_name="config", overrides=list(overrides))
+    extra = [f"data_dir={cfg.data_dir}"] if cfg.get("data_dir") else []
+    run_benchmark(cfg.benchmark, HydraConfig.get().runtime.output_dir,
+                  lambda overrides: compose(config_name="config", overrides=[*extra, *overrides]))
 
 
 #: The top-level modules each console script needs, and the extra that installs them.
@@ -118,17 +106,17 @@ _BENCH_MODULES = (*_RECIPES_MODULES, "psutil")
 def require_extra(script: str, extra: str, modules: tuple[str, ...]) -> None:
     """Exit with one line naming the extra to install when one of ``modules`` is missing (a wheel installed
     without extras), instead of a ``ModuleNotFoundError`` traceback from deep inside the recipes."""
-    missing = []
-    for name in modules:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
+    missing = [name for name in modules if not _found(name)]
     if missing:
         sys.exit(f"{script} needs the `{extra}` extra: pip install \"lcsb-lightning[{extra}]\" "
                  f"(missing: {', '.join(missing)})")
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def finetune_main() -> None:

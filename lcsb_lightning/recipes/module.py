@@ -13,7 +13,8 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lcsb_lightning.peft_without_bnb import peft_without_bitsandbytes
-from lcsb_lightning.recipes.metrics import IGNORE, ExactMatch, LanguageModelMetrics
+from lcsb_lightning.recipes.batching import IGNORE
+from lcsb_lightning.recipes.metrics import ExactMatch, LanguageModelMetrics
 from lcsb_lightning.recipes.tasks import ClassificationTask, QAJsonlTask, Task, extract_number
 
 
@@ -40,8 +41,8 @@ def check_adapter(path: str) -> None:
 
 
 def rng_states() -> dict[str, Any]:
-    """The random states a resumed run needs to draw what the uninterrupted one would: torch's CPU
-    generator, every CUDA device's (when CUDA is available), Python's and numpy's global ones."""
+    """The random states of torch (CPU and every CUDA device), Python and numpy: a resumed run draws what the
+    uninterrupted one would."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -57,10 +58,7 @@ def _numpy_state() -> tuple[str, torch.Tensor, int, int, float]:
 
 
 def set_rng_states(states: Mapping[str, Any]) -> None:
-    """Restore :func:`rng_states` (a checkpoint without the CUDA or numpy entries restores the others).
-
-    CUDA states are restored on the devices present, in order (a checkpoint of more devices than this
-    machine has restores the first ones)."""
+    """Restore :func:`rng_states` (those present; CUDA states on the devices present, in order)."""
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
     if "numpy" in states:
@@ -101,22 +99,10 @@ class CausalLMModule(LightningModule):
     #: Read by Lightning's ``ThroughputMonitor`` (not computed here: it logs batches, samples and tokens per second).
     flops_per_batch: int | None = None
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: Any,
-        task: Task,
-        lora: Any | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.01,
-        betas: Sequence[float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        schedule: str = "cosine_with_min_lr",
-        min_lr_ratio: float = 0.0,
-        chunked_loss: bool = False,
-        chunk_size: int = 64,
-        init_adapter: str | None = None,
-    ):
+    def __init__(self, model: nn.Module, tokenizer: Any, task: Task, lora: Any | None = None, lr: float = 1e-4,
+                 weight_decay: float = 0.01, betas: Sequence[float] = (0.9, 0.999), warmup_steps: int = 0,
+                 schedule: str = "cosine_with_min_lr", min_lr_ratio: float = 0.0, chunked_loss: bool = False,
+                 chunk_size: int = 64, init_adapter: str | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["model", "tokenizer", "task", "lora"])
         if init_adapter is not None:
@@ -162,20 +148,17 @@ class CausalLMModule(LightningModule):
         from lcsb_lightning.mebp import logit_transform
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        backbone = getattr(base, base.base_model_prefix)  # e.g. LlamaModel: final-norm hidden states, no logits
-        hidden = backbone(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).last_hidden_state
+        backbone = getattr(base, base.base_model_prefix)  # e.g. LlamaModel
+        hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          use_cache=False).last_hidden_state
         if self._logit_kwargs is None:
             self._logit_kwargs = logit_transform(base)
         return hidden, base.get_output_embeddings(), self._logit_kwargs
 
     def _loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
         if not self.hparams.chunked_loss:
-            out = self.model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False
-            )
-            return out.loss
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              labels=batch["labels"], use_cache=False).loss
         from lcsb_lightning.mebp import chunked_lm_loss
 
         hidden, head, transform = self._hidden_and_head(batch)
@@ -183,9 +166,8 @@ class CausalLMModule(LightningModule):
 
     @torch.no_grad()
     def _update_lm_metrics(self, batch: Mapping[str, Any]) -> None:
-        """The LM metrics of one batch from the final hidden states, streamed over the vocabulary
-        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of an evaluation batch of
-        4 x 256 tokens over a 49k vocabulary would be 200 MB, and the loss holds them twice over."""
+        """The LM metrics of one batch, streamed over the vocabulary
+        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of 4 x 256 tokens x 49k would be 200 MB."""
         from lcsb_lightning.mebp.loss import lm_head_predictions
 
         hidden, head, transform = self._hidden_and_head(batch)
@@ -255,15 +237,9 @@ class CausalLMModule(LightningModule):
     def generate_text(self, prompt_ids: list[int]) -> str:
         """Greedy continuation of one prompt (the task's ``max_new_tokens``), decoded."""
         ids = torch.tensor([prompt_ids], device=self.device)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=getattr(self.task, "max_new_tokens", 64),
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
+                                  max_new_tokens=getattr(self.task, "max_new_tokens", 64),
+                                  pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
         return self.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -276,10 +252,8 @@ class CausalLMModule(LightningModule):
         """Refuse a checkpoint that lacks a trainable tensor of this model (a different LoRA configuration)."""
         missing = sorted(self.trained_keys - set(checkpoint.get("state_dict", {})))
         if missing:
-            raise ValueError(
-                f"the checkpoint lacks {len(missing)} trainable tensors of this model (e.g. {', '.join(missing[:3])}): "
-                "it was written with another model or LoRA configuration"
-            )
+            raise ValueError(f"the checkpoint lacks {len(missing)} trainable tensors of this model (e.g. "
+                             f"{', '.join(missing[:3])}): it was written with another model or LoRA configuration")
         states = checkpoint.get("rng_states")
         if states:
             set_rng_states(states)
@@ -287,16 +261,14 @@ class CausalLMModule(LightningModule):
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over every trainable parameter, with warm-up and the configured decay per step."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(
-            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas)
-        )
         from transformers import get_scheduler
 
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay,
+                                betas=tuple(self.hparams.betas))
         name = self.hparams.schedule
-        sched = get_scheduler(
-            name, opt, num_warmup_steps=self.hparams.warmup_steps,
-            num_training_steps=int(self.trainer.estimated_stepping_batches),
-            scheduler_specific_kwargs={"min_lr_rate": self.hparams.min_lr_ratio} if name == "cosine_with_min_lr" else None,
-        )
+        sched = get_scheduler(name, opt, num_warmup_steps=self.hparams.warmup_steps,
+                              num_training_steps=int(self.trainer.estimated_stepping_batches),
+                              scheduler_specific_kwargs={"min_lr_rate": self.hparams.min_lr_ratio}
+                              if name == "cosine_with_min_lr" else None)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -2,44 +2,52 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from torch import nn
 
 
-def open_beside(path: Path, mode: str = "w") -> tuple[IO[Any], Path]:
-    """A new hidden file beside ``path`` (same folder, so a rename onto ``path`` is atomic) and its path.
-
-    The file gets the permissions of a file the process creates as usual (``0o666`` less the umask), not the
-    ``0o600`` of ``tempfile.mkstemp``: the renamed file keeps them, and a run's outputs are shared or copied.
-    """
+def _hidden_beside(path: Path, create: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """A new hidden path beside ``path`` (a rename onto ``path`` is then atomic) and what ``create`` made of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        fresh = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            return fresh, create(fresh)
         except FileExistsError:
             continue
-        return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})), tmp
 
 
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename: ``path`` is never half-written,
-    and an interrupted write leaves the previous file intact."""
-    handle, tmp = open_beside(path)
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A new file beside ``path``, fsynced and renamed onto it once written: ``path`` is never half-written, and a
+    failed write leaves the previous file intact. It gets the umask's permissions, not ``mkstemp``'s ``0o600``:
+    a run's outputs are shared or copied. ``handle.name`` is the new file's path."""
+    encoding = {} if "b" in mode else {"encoding": "utf-8"}
+    tmp, handle = _hidden_beside(path, lambda fresh: open(fresh, mode.replace("w", "x"), **encoding))
     try:
         with handle:
-            handle.write(text)
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as handle:
+        handle.write(text)
     return path
 
 
@@ -103,7 +111,7 @@ def _check_finite(model: nn.Module) -> None:
         )
 
 
-def save_adapter(model: nn.Module, path: Path, gguf_base: str | Path | None = None) -> Path:
+def save_adapter(model: nn.Module, path: Path) -> Path:
     """Save a peft model's adapter (``save_pretrained``) so that ``path`` always holds a complete adapter.
 
     ``path`` is a real folder, replaced as a checkpoint file is: the adapter is written into a new hidden
@@ -111,14 +119,9 @@ def save_adapter(model: nn.Module, path: Path, gguf_base: str | Path | None = No
     previous adapter in place. The files get the umask's permissions, so the folder copies (``cp -r``,
     ``tar``) and loads (``PeftModel.from_pretrained(path)``) anywhere.
 
-    With ``gguf_base`` (the GGUF file the base model was read from) the adapter is also written as a GGUF
-    adapter beside the folder, ``path`` + ``.gguf``, for llama.cpp
-    (:func:`~lcsb_lightning.export.save_gguf_adapter`).
-
     Args:
         model: A ``peft.PeftModel``.
         path: The adapter's folder.
-        gguf_base: The base model's GGUF file, or None.
 
     Raises:
         TypeError: not a peft model.
@@ -127,7 +130,7 @@ def save_adapter(model: nn.Module, path: Path, gguf_base: str | Path | None = No
     if not hasattr(model, "peft_config"):
         raise TypeError(f"expected a peft model with an adapter, got {type(model).__name__}")
     _check_finite(model)
-    fresh = _new_folder_beside(path)
+    fresh, _ = _hidden_beside(path, Path.mkdir)  # 0o777 less the umask, where tempfile.mkdtemp would give 0o700
     try:
         model.save_pretrained(str(fresh))
         file_mode = stat.S_IMODE(fresh.stat().st_mode) & 0o666  # a new folder's permissions are the umask's
@@ -138,36 +141,16 @@ def save_adapter(model: nn.Module, path: Path, gguf_base: str | Path | None = No
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
-    if gguf_base is not None:
-        from lcsb_lightning.export import save_gguf_adapter
-
-        save_gguf_adapter(model, gguf_base, path.with_name(path.name + ".gguf"))
     return path
-
-
-def _new_folder_beside(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fresh = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            fresh.mkdir()  # 0o777 less the umask, where tempfile.mkdtemp would give 0o700
-        except FileExistsError:
-            continue
-        return fresh
 
 
 def replace_folder(fresh: Path, path: Path) -> None:
     """Move the complete folder ``fresh`` to ``path`` (a sibling), replacing what ``path`` holds.
 
-    A rename cannot replace a folder that has files (POSIX ``rename`` fails with ``ENOTEMPTY``, and the
-    swap that can, Linux's ``renameat2(RENAME_EXCHANGE)``, is not portable), so this takes three steps:
-    the previous folder is renamed aside, ``fresh`` is renamed in, and then the previous one is removed.
-    In that order ``path`` is never a partly written or partly removed folder: it holds the previous
-    adapter or the new one, and is missing only between the two renames, while both complete folders
-    are on disk beside it. Removing the previous folder first would leave a half-deleted one at
-    ``path`` if interrupted. If the second rename fails, the previous folder is renamed back.
-    A symbolic link at ``path`` (the adapter folders of 0.9) is replaced the same way, and the hidden
-    folder beside it that it points to is removed.
+    A rename cannot replace a folder that has files (``ENOTEMPTY``), so the previous folder is renamed aside,
+    ``fresh`` renamed in (the previous one renamed back if that fails), and only then the previous one removed:
+    ``path`` is never a partly written or partly removed folder. A symbolic link at ``path`` (the adapter
+    folders of 0.9) is replaced the same way, and the hidden folder it points to removed.
     """
     if not os.path.lexists(path):
         os.rename(fresh, path)

@@ -1,5 +1,5 @@
-"""What a run shows while and after it trains: the progress bar with LCSB's blocks, the train-time
-timer, and the closing table."""
+"""What a run shows while and after it trains: the progress bar with LCSB's blocks, the train-time timer, the
+closing table."""
 
 from __future__ import annotations
 
@@ -19,11 +19,8 @@ def _format_blocks(selection: tuple[int, ...], limit: int = 8) -> str:
 
 
 class StepTimer(Callback):
-    """Sums the wall time of the training batches (forward, backward, optimizer step), validation excluded.
-
-    Lightning's ``Timer`` counts the validation runs inside ``fit`` as training time and
-    ``ThroughputMonitor`` keeps its totals private, hence this one sum.
-    """
+    """Sums the wall time of the training batches, validation excluded (Lightning's ``Timer`` counts it, and
+    ``ThroughputMonitor`` keeps its totals private)."""
 
     def __init__(self) -> None:
         self.total_seconds = 0.0

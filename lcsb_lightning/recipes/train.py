@@ -1,9 +1,5 @@
-"""The fine-tuning run behind ``lcsb-finetune``: build what the composed config names, train, write the outputs.
-
-:func:`prepare` builds the task, the model and the ``CausalLMModule`` (checking every input before
-the model is loaded), :func:`build_trainer` the Trainer with its callbacks, logger and plugins, and
-:func:`run_finetune` runs them and writes the run folder.
-"""
+"""The fine-tuning run behind ``lcsb-finetune``: :func:`prepare` builds the task, the model and the
+``CausalLMModule``, :func:`build_trainer` the Trainer, and :func:`run_finetune` runs them and writes the run folder."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
@@ -32,19 +28,20 @@ from lcsb_lightning.process_memory import RunMemory
 from lcsb_lightning.mebp.convert import stored_formats
 from lcsb_lightning.recompute import recompute_lower_blocks
 from lcsb_lightning.recipes.batching import PaddingCollator
-from lcsb_lightning.recipes.best_adapter import BestAdapter
+from lcsb_lightning.recipes.best_adapter import BestAdapter, save_adapters
 from lcsb_lightning.recipes.checkpointing import (
     CHECKPOINT_DIR, LAST, AtomicCheckpointIO, EpochShuffle, Preempted, PreemptionCheckpoint, ResumableLoader, check_checkpoint,
     resolve_checkpoint,
 )
 from lcsb_lightning.recipes.config import check_config
-from lcsb_lightning.recipes.models import SameWeightsOnEveryRank
+from lcsb_lightning.recipes.models import ModelBundle, SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
-from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, save_adapter, write_loss_curve
+from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
 log = logging.getLogger(__name__)
+C = TypeVar("C")
 
 SUMMARY_NAME = "summary.json"
 INITIAL_NAME = "initial_metrics.json"
@@ -70,13 +67,13 @@ def build(node: Any, **kwargs: Any) -> Any:
 
 @dataclass
 class Prepared:
-    """What :func:`prepare` built."""
+    """What :func:`prepare` built; ``gguf_base``: the GGUF file the base model was read from (GGUF adapters out)."""
 
     task: Task
-    bundle: Any  # recipes.models.ModelBundle
+    bundle: ModelBundle
     data: TaskData
     module: CausalLMModule
-    gguf_base: str | None = None  # the GGUF file the base model was read from: the run writes GGUF adapters for it
+    gguf_base: str | None = None
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -92,7 +89,7 @@ def prepare(cfg: DictConfig) -> Prepared:
         )
     data = task.build(bundle.tokenizer, int(cfg.seq_len))
     log.info("task %s: %d training and %d evaluation examples", type(task).__name__, len(data.train), len(data.eval))
-    lora = build(cfg.lora, _convert_="all") if cfg.get("lora") and "_target_" in cfg.lora else None
+    lora = build_group(cfg, "lora", _convert_="all")
     module = build(cfg.module, _convert_="all")(model=bundle.model, tokenizer=bundle.tokenizer, task=task, lora=lora)
     gguf_base = bundle.weights_file if bundle.weights_file and bundle.weights_file.endswith(".gguf") else None
     if gguf_base is not None:
@@ -100,7 +97,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     elif _merges(cfg):
         raise ValueError(f"export.merged=true merges into the base model's GGUF file, and {bundle.name} was not read "
                          "from one: allowed: a model read from a GGUF (model.source=gguf, model.gguf_file=...), or false")
-    if not uses_mebp(cfg):  # QuantizedMeBP wraps a compressed model's blocks itself
+    if not _configured(cfg, "mebp"):  # QuantizedMeBP wraps a compressed model's blocks itself
         recompute_lower_blocks(module.model, keep_top=cfg.get("keep_activations"))
     return Prepared(task, bundle, data, module, gguf_base)
 
@@ -110,18 +107,16 @@ def _merges(cfg: DictConfig) -> bool:
     return bool(OmegaConf.select(cfg, "export.merged", default=False))
 
 
-def uses_mebp(cfg: DictConfig) -> bool:
-    """Whether the run compresses its model (a ``mebp`` option other than ``none``)."""
-    node = cfg.get("mebp")
+def _configured(cfg: DictConfig, key: str) -> bool:
+    """Whether the option of group ``key`` builds something (``mebp=none`` does not)."""
+    node = cfg.get(key)
     return node is not None and "_target_" in node
 
 
 def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
-    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model node has a ``mebp`` key (its
-    factory reads weights tensor by tensor: the packaged ``smollm2_135m`` and ``hf``), so the model is built
-    compressed from its file and the float model never exists; else ``{}`` (the plugin compresses the loaded
-    float model at fit start)."""
-    if not uses_mebp(cfg) or "mebp" not in cfg.model:
+    """``{"mebp": MeBPConfig}`` where the run compresses its model and the model node takes ``mebp`` (``smollm2_135m``
+    and ``hf``: built compressed from the file, no float model); else ``{}`` (the plugin compresses at fit start)."""
+    if not _configured(cfg, "mebp") or "mebp" not in cfg.model:
         return {}
     from lcsb_lightning.mebp import MeBPConfig
 
@@ -129,8 +124,7 @@ def model_loading_options(cfg: DictConfig) -> dict[str, Any]:
 
 
 def make_loaders(data: TaskData, cfg: DictConfig, tokenizer: Any) -> tuple[ResumableLoader, DataLoader]:
-    """Training (a seeded permutation per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders
-    that pad with ``tokenizer`` (one :class:`~lcsb_lightning.recipes.batching.PaddingCollator`)."""
+    """The training (seeded per epoch, resumable mid-epoch, sharded under DDP) and evaluation data loaders."""
     fn = PaddingCollator(tokenizer)
     sampler = EpochShuffle(len(data.train), seed=int(cfg.seed))
     train = ResumableLoader(data.train, batch_size=int(cfg.batch_size), sampler=sampler, collate_fn=fn)
@@ -148,8 +142,7 @@ def _tokens(batch: Any) -> int:
 
 def build_group(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
     """The instantiated config group ``key`` (with ``kwargs``), or None where the option has no ``_target_`` (``none``)."""
-    node = cfg.get(key)
-    return build(node, **kwargs) if node is not None and "_target_" in node else None
+    return build(cfg[key], **kwargs) if _configured(cfg, key) else None
 
 
 def mebp_precision(cfg: DictConfig) -> str | None:
@@ -159,7 +152,7 @@ def mebp_precision(cfg: DictConfig) -> str | None:
     Raises:
         ValueError: a precision the plugin does not run with.
     """
-    if not uses_mebp(cfg):
+    if not _configured(cfg, "mebp"):
         return None
     from lcsb_lightning.mebp.plugin import PRECISIONS
 
@@ -173,13 +166,9 @@ def mebp_precision(cfg: DictConfig) -> str | None:
 
 def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = (),
                   gguf_base: str | None = None) -> tuple[L.Trainer, Any]:
-    """The Trainer of the run: LCSB (the ``lcsb`` options with the ``policy`` group's policy), progressive
-    freezing (``freeze`` group), the check that DDP ranks loaded the same weights, a step timer, throughput logging, the
-    ``extra_callbacks``, the best evaluation's adapter (``best_adapter``), early stopping on the same metric
-    (``early_stopping_patience``), resumable checkpoints every ``checkpoint_every`` steps, the divergence guard
-    (``guard`` group, last: it sees the gradients LCSB leaves), the progress bar, the logger, atomic
-    checkpoint writes and the QuantizedMeBP plugin (``mebp`` group). With ``gguf_base`` (the base model's GGUF
-    file) the best adapter is written as a GGUF adapter beside its folder too.
+    """The Trainer of the run and its LCSB callback (None without a policy): the callbacks, logger and plugins
+    the config names, the ``extra_callbacks``, and the divergence guard last (it sees the gradients LCSB leaves).
+    With ``gguf_base`` (the base model's GGUF file) the best adapter is also written as a GGUF adapter.
 
     Returns:
         ``(trainer, lcsb_callback_or_None)``.
@@ -188,10 +177,11 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     policy = build_group(cfg, "policy")
     lcsb = build_group(cfg, "lcsb", policy=policy) if policy is not None else None
     callbacks: list[Any] = [cb for cb in (lcsb, build_group(cfg, "freeze")) if cb is not None]
-    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(), ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
+    callbacks += [SameWeightsOnEveryRank(), StepTimer(), HeapTrim(),
+                  ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens), *extra_callbacks]
     if cfg.get("best_adapter") is not None:
-        best = BestAdapter(Path(output_dir) / BEST_ADAPTER_NAME, str(cfg.best_adapter), str(cfg.get("best_adapter_mode", "min")),
-                           gguf_base)
+        best = BestAdapter(Path(output_dir) / BEST_ADAPTER_NAME, str(cfg.best_adapter),
+                           str(cfg.get("best_adapter_mode", "min")), gguf_base)
         callbacks.append(best)
         if cfg.get("early_stopping_patience") is not None:  # watches what the best adapter is chosen by
             callbacks.append(EarlyStopping(monitor=best.monitor, mode=best.mode, patience=int(cfg.early_stopping_patience),
@@ -206,24 +196,16 @@ def build_trainer(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequ
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(LCSBProgressBar())
     logger = build(cfg.logger, save_dir=str(output_dir))
-    plugins: list[Any] = [AtomicCheckpointIO()]
-    if mebp is not None:
-        plugins.append(mebp)
+    plugins: list[Any] = [AtomicCheckpointIO(), *([mebp] if mebp is not None else [])]
     extra: dict[str, Any] = {"precision": None} if mebp is not None else {}  # the MeBP plugin takes trainer.precision
-    trainer: L.Trainer = build(
-        cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins, default_root_dir=str(output_dir), **extra
-    )
+    trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins,
+                               default_root_dir=str(output_dir), **extra)
     return trainer, lcsb
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            out[key] = float(value)
-        elif isinstance(value, (int, float)):
-            out[key] = float(value)
-    return out
+    return {key: float(value) for key, value in metrics.items()
+            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)}
 
 
 def _hydra_choices() -> dict[str, Any]:
@@ -238,12 +220,14 @@ def _hydra_choices() -> dict[str, Any]:
     return {}
 
 
+def _callback(trainer: L.Trainer, kind: type[C]) -> C | None:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, kind)), None)
+
+
 def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None:
     """Raise :class:`Preempted` (exit status ``128 + signal``) when a signal came during the fit, naming the
-    checkpoint to resume from; the adapter and the summary are not written.
-
-    A signal after the last training step (``interrupted`` False: the fit ended) gets the end checkpoint."""
-    preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    checkpoint to resume from; a signal after the last step (``interrupted`` False) gets the end checkpoint."""
+    preemption = _callback(trainer, PreemptionCheckpoint)
     signalled = trainer.received_sigterm or (preemption is not None and preemption.signum is not None)
     if trainer.world_size > 1:  # the ranks stop, and save, together
         signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
@@ -262,16 +246,13 @@ def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None
 
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Fine-tune as configured and write TensorBoard logs, checkpoints, the adapter, the adapter of the best
-    evaluation (``adapter_best``, with ``best_adapter`` set), ``summary.json`` and a loss-curve PNG into
-    ``output_dir``.
+    """Fine-tune as configured and write logs, checkpoints, the adapter (and ``adapter_best``), ``summary.json``
+    and a loss-curve PNG into ``output_dir``.
 
-    The config is checked first (:func:`~lcsb_lightning.recipes.config.check_config`), then (with
-    ``resume``) the checkpoint is read, then every input is checked before the model is loaded (see
-    :func:`prepare`). A resumable checkpoint goes to ``checkpoints/last.ckpt`` every ``checkpoint_every`` steps and at the end; the adapter and the
-    summary are written last. Every file is replaced only by a complete new one, by the global-zero
-    process. On SIGTERM or SIGINT the run writes ``checkpoints/last.ckpt`` after the current step and
-    raises :class:`~lcsb_lightning.recipes.checkpointing.Preempted` (exit status 143 or 130).
+    The config, then a ``resume`` checkpoint, then every input are checked before the model is loaded. Every file
+    is replaced only by a complete new one, by the global-zero process. On SIGTERM or SIGINT the run writes
+    ``checkpoints/last.ckpt`` after the current step and raises
+    :class:`~lcsb_lightning.recipes.checkpointing.Preempted` (exit status 143 or 130).
 
     Args:
         cfg: The composed config (``conf/config.yaml``); with ``resume`` set, the run's own config.
@@ -332,12 +313,10 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
             trainer.save_checkpoint(out / CHECKPOINT_DIR / LAST, weights_only=False)  # the end state, whatever the interval
         final = _scalars(trainer.validate(module, eval_loader, verbose=False)[0])
 
-    timer = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimer))
-    guard = next((cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard)), None)
-    best = next((cb for cb in trainer.callbacks if isinstance(cb, BestAdapter)), None)
-    stopper = next((cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping)), None)
+    timer, guard = _callback(trainer, StepTimer), _callback(trainer, DivergenceGuard)
+    best, stopper = _callback(trainer, BestAdapter), _callback(trainer, EarlyStopping)
     steps = int(trainer.global_step)
-    train_seconds = timer.total_seconds or fit_seconds
+    train_seconds = (timer.total_seconds if timer is not None else 0.0) or fit_seconds
     summary: dict[str, Any] = {
         "model": prepared.bundle.name,
         "model_file": prepared.bundle.weights_file,  # the GGUF read, if any, and its formats as stored (mebp)
@@ -374,7 +353,7 @@ def _run(cfg: DictConfig, out: Path, checkpoint: Path | None, extra_callbacks: S
     curve = None
     if trainer.is_global_zero:
         with memory.phase("save"):
-            save_adapter(module.model, out / ADAPTER_NAME, prepared.gguf_base)  # adapter_best/: by BestAdapter
+            save_adapters(module.model, out / ADAPTER_NAME, prepared.gguf_base)  # adapter_best/: by BestAdapter
             if _merges(cfg):
                 save_merged_gguf(module.model, prepared.gguf_base, out / MERGED_NAME, str(cfg.export.merged_type))
         with memory.phase("plots"):

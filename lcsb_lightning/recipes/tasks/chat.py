@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lcsb_lightning.recipes.batching import IGNORE
-from lcsb_lightning.recipes.data_io import check_hub, load_hub_rows, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, subsample, token_ids
+from lcsb_lightning.recipes.data_io import require_file
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, check_fraction, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +19,8 @@ Message = dict[str, Any]
 
 
 def check_conversation(row: Any, where: str) -> list[Message]:
-    """The messages of one conversation ``{"messages": [{"role": ..., "content": ...}, ...]}``.
-
-    An assistant message may carry ``"weight": 0`` (the OpenAI fine-tuning format) to keep it out of the loss.
+    """The messages of one conversation ``row``, ``{"messages": [{"role": ..., "content": ...}, ...]}``; an
+    assistant message with ``"weight": 0`` (the OpenAI fine-tuning format) stays out of the loss.
 
     Args:
         row: The parsed JSON line (or hub row).
@@ -71,9 +70,8 @@ def read_conversations(path: Path) -> list[list[Message]]:
 def assistant_mask(tokenizer: Any, messages: list[Message], chat_template: str | None = None) -> Example:
     """The tokens of ``messages`` in the chat template, labelled on the assistant turns only.
 
-    Each assistant message's tokens are those that its rendering adds after the rendering of the messages
-    before it with the generation prompt (``<|im_start|>assistant\\n``), up to its end-of-turn token
-    (``<|im_end|>``) included: the newline a template writes after that token is not labelled.
+    Each assistant message's tokens are those its rendering adds after the messages before it with the generation
+    prompt, up to its end-of-turn token included (not the newline a template writes after that token).
 
     Example:
         >>> from transformers import ByT5Tokenizer
@@ -115,10 +113,9 @@ def assistant_mask(tokenizer: Any, messages: list[Message], chat_template: str |
 class ChatTask(Task):
     """Conversations in the model's own chat template, the loss on the assistant turns only (``chat``).
 
-    Each JSON line (or hub row) is ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}``,
-    the format of TRL, axolotl and the OpenAI fine-tuning API. The model's tokenizer renders them with its
-    ``chat_template`` (a GGUF's ``tokenizer.chat_template``); the labels are the tokens of each assistant
-    message and its end-of-turn token. A conversation cut by ``seq_len`` before any assistant token is dropped.
+    Each JSON line (or hub row) is ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}``
+    (TRL, axolotl, the OpenAI fine-tuning API), rendered with the tokenizer's ``chat_template``. A conversation
+    cut by ``seq_len`` before any assistant token is dropped.
 
     Args:
         path: JSONL file of conversations.
@@ -126,50 +123,32 @@ class ChatTask(Task):
         eval_fraction: Share of the conversations held out when there is no ``eval_path``.
         chat_template: A Jinja chat template, or a file holding one, instead of the tokenizer's (a model without
             one); null: the tokenizer's own.
-        hub: ``{path, name, train_split, eval_split}`` for ``datasets.load_dataset`` (rows with ``messages``).
-        data_dir: Read ``path``/``eval_path`` relative to this folder.
-        **kwargs: See :class:`Task`.
+        **kwargs: See :class:`Task` (``hub:`` rows hold ``messages``).
     """
 
     kind = "lm"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        eval_path: str | None = None,
-        eval_fraction: float = 0.1,
-        chat_template: str | None = None,
-        hub: Mapping[str, Any] | None = None,
-        data_dir: str | None = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, path: str | None = None, eval_path: str | None = None, eval_fraction: float = 0.1,
+                 chat_template: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        if not (0.0 < eval_fraction < 1.0):
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        self.eval_fraction, self.hub = eval_fraction, check_hub(hub) if hub else None
+        self.eval_fraction = check_fraction(eval_fraction)
         if chat_template is not None and "{" not in chat_template:  # a file, not a template
             chat_template = require_file(chat_template, hint="give a Jinja template or a file holding one").read_text()
         self.chat_template = chat_template
-        try:
-            self.source = data_source(data_dir, self.hub, bool(path))
-        except ValueError as exc:
-            raise ValueError("chat needs path= (a JSONL file of conversations) or hub=") from exc
+        self.source = self._source(bool(path), "path= (a JSONL file of conversations)")
         if self.source == "files":
-            if not path:
-                raise ValueError("chat needs path= (a JSONL file of conversations) under data_dir")
-            train = read_conversations(require_file(path, data_dir))
+            train = read_conversations(require_file(str(path), self.data_dir))
             if eval_path:
-                self._conversations = (train, read_conversations(require_file(eval_path, data_dir)))
+                self._conversations = (train, read_conversations(require_file(eval_path, self.data_dir)))
             else:
                 if len(train) < 2:
                     raise ValueError(f"{path} holds one conversation: give more, or eval_path=")
                 held = max(1, int(len(train) * eval_fraction))
                 self._conversations = (train[:-held], train[-held:])
 
-    def _hub_conversations(self, key: str, default: str) -> list[list[Message]]:
+    def _hub_conversations(self, name: str) -> list[list[Message]]:
         assert self.hub is not None
-        split = self.hub.get(key, default)
-        rows = load_hub_rows(self.hub, split)
+        split, rows = self._hub_rows(name)
         return [check_conversation(row, f"{self.hub['path']} {split} row {n}") for n, row in enumerate(rows, 1)]
 
     def build(self, tokenizer: Any, seq_len: int) -> TaskData:
@@ -178,22 +157,15 @@ class ChatTask(Task):
             raise ValueError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template; task=chat needs "
                              "a chat model (e.g. model=smollm2_135m), or task.chat_template=<a Jinja template or a file>")
         if self.source == "hub":
-            self._conversations = (self._hub_conversations("train_split", "train"),
-                                   self._hub_conversations("eval_split", "test"))
-        train, evals = self._conversations
-        out: dict[str, list[Example]] = {"train": [], "eval": []}
-        dropped = 0
-        for name, conversations in (("train", subsample(train, self.max_train_examples, self.seed)),
-                                    ("eval", subsample(evals, self.max_eval_examples, None))):
-            for messages in conversations:
-                ex = assistant_mask(tokenizer, messages, self.chat_template)
-                ex = {key: value[:seq_len] for key, value in ex.items()}
-                if all(label == IGNORE for label in ex["labels"]):
-                    dropped += 1
-                else:
-                    out[name].append(ex)
-            if not out[name]:
-                raise ValueError(f"no {name} conversation has an assistant token within seq_len={seq_len}")
-        if dropped:
-            log.warning("chat: %d conversation(s) dropped: no assistant token within seq_len=%d", dropped, seq_len)
-        return TaskData(train=out["train"], eval=out["eval"], skipped=dropped)
+            self._conversations = (self._hub_conversations("train"), self._hub_conversations("eval"))
+
+        def example(messages: list[Message]) -> Example | None:
+            ex = assistant_mask(tokenizer, messages, self.chat_template)
+            ex = {key: value[:seq_len] for key, value in ex.items()}
+            return None if all(label == IGNORE for label in ex["labels"]) else ex
+
+        data = self._tokenized(*self._conversations, example,
+                               f"no {{name}} conversation has an assistant token within seq_len={seq_len}")
+        if data.skipped:
+            log.warning("chat: %d conversation(s) dropped: no assistant token within seq_len=%d", data.skipped, seq_len)
+        return data

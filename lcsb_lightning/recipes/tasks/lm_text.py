@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.recipes.data_io import check_hub, load_hub_rows, read_text, require_file
-from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, data_source, subsample, token_ids
+from lcsb_lightning.recipes.data_io import read_text, require_file
+from lcsb_lightning.recipes.tasks.base import Example, Task, TaskData, check_fraction, subsample, token_ids
 
 
 class LMTextTask(Task):
@@ -21,42 +21,23 @@ class LMTextTask(Task):
         split_lines: Treat each non-empty line as a document (else each file, or each hub split, is one
             document: hub rows are its lines).
         max_chars: Read at most this many characters per file (quick runs on large files).
-        hub: ``{path, name, train_split, eval_split, text_field}`` for ``datasets.load_dataset``.
-        data_dir: Read ``train_files``/``eval_files`` relative to this folder instead of the hub.
-        **kwargs: See :class:`Task`.
+        **kwargs: See :class:`Task`; ``hub:`` also takes ``text_field`` (default ``text``).
     """
 
     kind = "lm"
 
-    def __init__(
-        self,
-        train_files: Sequence[str] = (),
-        eval_files: Sequence[str] = (),
-        builtin: str | None = None,
-        eval_fraction: float = 0.1,
-        split_lines: bool = False,
-        max_chars: int | None = None,
-        hub: Mapping[str, Any] | None = None,
-        data_dir: str | None = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, train_files: Sequence[str] = (), eval_files: Sequence[str] = (), builtin: str | None = None,
+                 eval_fraction: float = 0.1, split_lines: bool = False, max_chars: int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self.builtin, self.hub = builtin, check_hub(hub) if hub else None
-        self.eval_fraction, self.split_lines, self.max_chars = eval_fraction, split_lines, max_chars
         if builtin not in (None, "pydoc"):
             raise ValueError(f"unknown builtin text {builtin!r}; the only one is 'pydoc'")
-        if not (0.0 < eval_fraction < 1.0):
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        if builtin is None:
-            try:
-                self.source = data_source(data_dir, self.hub, bool(train_files))
-            except ValueError as exc:
-                raise ValueError("lm_text needs train_files (a list of text files), builtin: pydoc, or hub:") from exc
-        else:
-            self.source = "builtin"
+        self.builtin, self.eval_fraction = builtin, check_fraction(eval_fraction)
+        self.split_lines, self.max_chars = split_lines, max_chars
+        needs = "train_files (text files) or builtin: pydoc"
+        self.source = "builtin" if builtin else self._source(bool(train_files), needs)
         files = self.source == "files"
-        self.train_files = [require_file(f, data_dir) for f in train_files] if files else []
-        self.eval_files = [require_file(f, data_dir) for f in eval_files] if files else []
+        self.train_files = [require_file(f, self.data_dir) for f in train_files] if files else []
+        self.eval_files = [require_file(f, self.data_dir) for f in eval_files] if files else []
 
     def _documents(self) -> tuple[list[str], list[str]]:
         if self.builtin == "pydoc":
@@ -66,10 +47,9 @@ class LMTextTask(Task):
             train = [topics[k] for i, k in enumerate(keys) if i % 10 != 0]
             return train, [topics[k] for i, k in enumerate(keys) if i % 10 == 0]
         if self.source == "hub":
-            assert self.hub is not None
-            return self._hub_documents("train_split", "train"), self._hub_documents("eval_split", "test")
+            return self._hub_documents("train"), self._hub_documents("eval")
 
-        def docs(files: Iterable[Path]) -> list[str]:
+        def docs(files: list[Path]) -> list[str]:
             out: list[str] = []
             for f in files:
                 text = read_text(f, self.max_chars)
@@ -86,11 +66,11 @@ class LMTextTask(Task):
         n_eval = max(1, int(len(train) * self.eval_fraction))
         return train[:-n_eval], train[-n_eval:]
 
-    def _hub_documents(self, key: str, default: str) -> list[str]:
+    def _hub_documents(self, name: str) -> list[str]:
         """A hub split's rows are the lines of its text: one document, or one per line with ``split_lines``."""
         assert self.hub is not None
         field = self.hub.get("text_field", "text")
-        rows = load_hub_rows(self.hub, self.hub.get(key, default))
+        _, rows = self._hub_rows(name)
         if rows and field not in rows[0]:
             raise KeyError(f"text_field={field!r} not in {self.hub['path']!r}; fields seen: {list(rows[0])}")
         lines = [str(r[field]).rstrip("\n") for r in rows]
@@ -101,12 +81,10 @@ class LMTextTask(Task):
 
     @staticmethod
     def _pack(tokenizer: Any, docs: list[str], seq_len: int, limit: int | None) -> list[Example]:
-        eos = tokenizer.eos_token_id
         chunks: list[Example] = []
         buf: list[int] = []
         for doc in docs:
-            buf.extend(token_ids(tokenizer, doc))
-            buf.append(eos)
+            buf += [*token_ids(tokenizer, doc), tokenizer.eos_token_id]
             while len(buf) >= seq_len:
                 ids, buf = buf[:seq_len], buf[seq_len:]
                 chunks.append({"input_ids": ids, "labels": list(ids)})
