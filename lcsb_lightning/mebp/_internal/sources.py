@@ -156,10 +156,19 @@ def gguf_tensor_name(name_map: TensorNameMap, hf_name: str) -> str | None:
     return None
 
 
-def _head_count(reader: GGUFReader, key: str) -> int | None:
-    """An integer metadata field of the file, ``None`` if absent."""
-    field = reader.get_field(key)
-    return None if field is None else int(field.contents())
+def rotary_heads(reader: GGUFFile | GGUFReader) -> dict[str, int]:
+    """``{".attn_q.": heads, ".attn_k.": kv heads}`` of a file whose Q/K rows llama.cpp's converter stored in
+    :func:`rotary_order` (a llama file with both head counts: where transformers' loader undoes it), else ``{}``."""
+    arch = gguf_architecture(reader)
+    heads, kv_heads = (reader.get_field(f"{arch}.attention.{key}") for key in ("head_count", "head_count_kv"))
+    if arch != "llama" or heads is None or kv_heads is None:
+        return {}
+    return {".attn_q.": int(heads.contents()), ".attn_k.": int(kv_heads.contents())}
+
+
+def rotary_order(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Q/K rows in Hugging Face order: each head's two rotary halves interleaved."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 class GGUFSource:
@@ -205,14 +214,8 @@ class GGUFSource:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"The GGUF file has no tensor for the parameters {shown} (architecture {arch!r}).")
-        # transformers reverses llama.cpp's permutation only when both head counts are in the file.
-        heads = _head_count(self.reader, f"{arch}.attention.head_count")
-        kv_heads = _head_count(self.reader, f"{arch}.attention.head_count_kv")
-        self._heads: dict[str, int] = {}
-        if arch == "llama" and heads is not None and kv_heads is not None:
-            for name, tensor in self.tensors.items():
-                if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
-                    self._heads[name] = heads if ".attn_q." in tensor.name else kv_heads
+        rotary = rotary_heads(self.reader)
+        self._heads = {name: n for name, tensor in self.tensors.items() for key, n in rotary.items() if key in tensor.name}
         self._shifted: set[str] = set()
         if arch in ("gemma2", "gemma3"):
             self._shifted = {name for name, tensor in self.tensors.items() if "norm.weight" in tensor.name}
@@ -230,18 +233,9 @@ class GGUFSource:
         return tensor
 
     def _file_rows(self, name: str, rows: int, start: int, stop: int) -> np.ndarray | None:
-        """File row of each HF row ``start:stop`` of a permuted Q/K tensor with ``rows`` rows; else ``None``.
-
-        llama.cpp stores HF row ``(head, half, i)`` of each head's two rotary halves at
-        ``(head, i, half)``: the rows of the two halves interleaved.
-        """
+        """File row of each HF row ``start:stop`` of a Q/K tensor in :func:`rotary_order` with ``rows`` rows; else None."""
         n_head = self._heads.get(name)
-        if n_head is None:
-            return None
-        size = rows // n_head
-        head, within = np.divmod(np.arange(start, stop), size)
-        half, pos = np.divmod(within, size // 2)
-        return head * size + 2 * pos + half
+        return None if n_head is None else np.argsort(rotary_order(np.arange(rows), n_head))[start:stop]
 
     def _tensor(self, name: str) -> ReaderTensor:
         if name not in self.tensors:
