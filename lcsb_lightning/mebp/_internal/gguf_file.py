@@ -1,12 +1,6 @@
-"""A lean GGUF reader: the tensors' names, types, shapes and memory-mapped data, and the scalar metadata.
-
-``gguf.GGUFReader`` builds a numpy view and a Python object for every element of every metadata
-array; the 49,152 tokens and 48,900 merges of SmolLM2's tokenizer cost it about 6 s and 160 MB of
-anonymous memory held as long as the reader lives. Loading weights needs none of them: this reader
-walks over the arrays without building them (their element type and length are kept) and exposes
-the same ``get_field(key).contents()`` and ``tensors`` (``name``, ``tensor_type``, ``shape``,
-``data``) that :class:`~lcsb_lightning.mebp._internal.sources.GGUFSource` reads. ``data`` is a view
-of one read-only memory map of the file, shaped as ``gguf.GGUFReader`` shapes it.
+"""A lean GGUF reader: tensor names, types, shapes and memory-mapped data (shaped as ``gguf.GGUFReader`` shapes
+them), and scalar metadata. Metadata arrays are skipped, not built: ``gguf.GGUFReader`` spends about 6 s and
+160 MB on the objects of SmolLM2's tokenizer arrays, which loading weights never reads.
 """
 
 from __future__ import annotations
@@ -65,9 +59,6 @@ class _Cursor:
         text = bytes(self.buffer[self.at : self.at + length]).decode("utf-8", errors="replace")
         self.at += length
         return text
-
-    def skip_string(self) -> None:
-        self.at += 8 + self.scalar("<Q")
 
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:

@@ -1,15 +1,6 @@
-"""Weight sources for :func:`load_compressed`: random init, a safetensors folder, a GGUF file.
-
-A source yields one tensor (or a range of its rows) at a time by Hugging Face parameter name; the
-loader asks for row chunks of at most ``LOAD_CHUNK_ELEMENTS`` floats and quantizes each one before
-asking for the next.
-
-What is bounded, for a GGUF file: the file is memory-mapped, so the packed bytes of the tensor being
-read are file-backed pages (at most that tensor's packed size resident, reclaimable by the OS). On
-the heap a :class:`GGUFSource` holds the float32 chunk it returns plus the working memory of one
-``gguf.quants.dequantize`` call on at most ``DEQUANTIZE_ELEMENTS`` weights (the packed rows it
-gathers, gguf's own output and temporaries); it keeps nothing between calls. 1-D tensors (norms,
-biases) are dequantized whole.
+"""Weight sources for :func:`load_compressed` (random init, a safetensors folder, a GGUF file): one tensor, or a
+range of its rows, at a time by Hugging Face parameter name, as float32. A GGUF source reads from the memory map
+and holds one chunk plus one ``gguf.quants.dequantize`` call on at most ``DEQUANTIZE_ELEMENTS`` weights.
 """
 
 from __future__ import annotations
@@ -100,11 +91,7 @@ class SafetensorsSource:
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
-    """The file's ``general.architecture``, checked against :data:`GGUF_ARCHITECTURES`.
-
-    Raises:
-        ValueError: the architecture is missing or not supported.
-    """
+    """The file's ``general.architecture``; a ValueError unless it is one of :data:`GGUF_ARCHITECTURES`."""
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in GGUF_ARCHITECTURES:
@@ -143,10 +130,8 @@ def gguf_quant_types() -> tuple[str, ...]:
 
 
 def gguf_tensor_name(name_map: TensorNameMap, hf_name: str) -> str | None:
-    """GGUF tensor name of HF parameter ``hf_name`` (``None`` if the architecture has none).
-
-    Like transformers' loader, names relative to each submodule are tried too (``model.x`` -> ``x``).
-    """
+    """GGUF tensor name of HF parameter ``hf_name`` (None if there is none); as transformers' loader does, names
+    relative to each submodule are tried too (``model.x`` -> ``x``)."""
     base, _, suffix = hf_name.rpartition(".")
     parts = base.split(".")
     for first in range(len(parts)):
@@ -172,19 +157,12 @@ def rotary_order(rows: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFSource:
-    """A GGUF file, read in row ranges straight from its memory map with the ``gguf`` package.
-
-    Parameter names are mapped with gguf's public ``get_tensor_name_map``; the value transforms are
-    those transformers' GGUF loader applies: for ``llama`` files the Q and K projection rows that
-    llama.cpp's converter permuted are read back in Hugging Face order (a row range gathers the
-    packed rows it needs), and for Gemma 2/3 the norm weights, stored plus one, get one subtracted.
-    Only the packed rows of the requested range are dequantized, at most ``DEQUANTIZE_ELEMENTS``
-    weights per ``gguf.quants.dequantize`` call, into the one float32 chunk returned.
+    """A GGUF file, read in row ranges straight from its memory map, with transformers' GGUF loader's names
+    (gguf's ``get_tensor_name_map``) and transforms: :func:`rotary_order` undone, Gemma 2/3 norms stored plus one.
 
     Args:
         gguf_file: Path of the file, or a :class:`GGUFFile` (or ``gguf.GGUFReader``) already open on it.
-        model: The model to load (meta parameters are fine): its ``named_parameters()`` are mapped;
-            parameters tied together share one GGUF tensor (tied embeddings have no ``output``).
+        model: The model to load (meta parameters are fine); parameters tied together share one GGUF tensor.
 
     Raises:
         ValueError: unsupported architecture, a parameter with no tensor in the file or of another
@@ -251,8 +229,8 @@ class GGUFSource:
         return gguf_format(self.tensor_type(name))
 
     def packed_rows_into(self, name: str, shape: torch.Size, start: int, stop: int, out: Packed) -> None:
-        """Rows ``start:stop`` of parameter ``name``, copied block by block into the stored slot ``out``
-        (:meth:`native_format` must not be None); permuted Q/K rows are gathered as in :meth:`rows`."""
+        """Rows ``start:stop`` of parameter ``name``, copied block by block into the slot ``out`` of its
+        :meth:`native_format`."""
         tensor = self._tensor(name)
         index = self._file_rows(name, shape[0], start, stop)
         raw = tensor.data[start:stop] if index is None else tensor.data[index]
