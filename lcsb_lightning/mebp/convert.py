@@ -28,14 +28,8 @@ STATE_ATTR = "_mebp_state"
 
 @dataclass
 class MeBPState:
-    """What :func:`apply_mebp` installed on a model (``model._mebp_state``).
-
-    Attributes:
-        config: The options the model was converted with.
-        blocks: The blocks that got QuantizedMeBP's checkpoint wrapper.
-        compressed_modules: Each compressed Linear/Embedding by qualified name.
-        source: The file :func:`~lcsb_lightning.mebp.load_compressed` read the weights from, if any.
-    """
+    """What :func:`apply_mebp` installed on a model (``model._mebp_state``): its ``config``, its ``blocks``,
+    each compressed module by qualified name, and the ``source`` file :func:`load_compressed` read, if any."""
 
     config: MeBPConfig
     blocks: list[nn.Module]
@@ -44,7 +38,7 @@ class MeBPState:
     weight_store: MappedWeights | None = None
     stats: MeBPStats = field(default_factory=MeBPStats)
     workspace: DecompressionWorkspace = field(default_factory=DecompressionWorkspace)
-    source: str | None = None  # the file load_compressed read (None: converted in memory, or a random init)
+    source: str | None = None
 
     def close(self) -> None:
         """Remove the offload and weight directories (the compressed layers stay usable)."""
@@ -105,14 +99,8 @@ def _candidates(model: nn.Module, blocks: list[nn.Module], compress_embeddings: 
 
 
 def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) -> dict[str, nn.Module]:
-    """Qualified names of the modules to compress (their group sizes: :func:`check_group_sizes`).
-
-    A candidate (any ``nn.Linear`` in a block, subclasses included; with ``compress_embeddings`` the
-    input embedding and LM head) is compressed unless it is a peft adapter (LoRA A/B), already
-    quantized (a non-float weight: bitsandbytes' ``Linear4bit``, a ``CompressedLinear``), a subclass
-    whose ``forward`` computes something else (warned), named in ``ignore_modules``, or trainable in
-    a model set up for fine-tuning (see :func:`apply_mebp`; warned).
-    """
+    """The modules to compress by qualified name: the candidates :func:`apply_mebp` describes, less the ones
+    it never compresses (warned where the user may not expect it)."""
     ignore_modules = config.ignore_modules
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     excluded = _adapter_module_ids(model)
@@ -164,19 +152,19 @@ def check_group_sizes(targets: dict[str, nn.Module], group_sizes: dict[str, int]
             )
 
 
-def compressed_twin(module: nn.Module, packed: Packed, fmt: StoredFormat, group_size: int, dtype: torch.dtype) -> nn.Module:
-    """The compressed replacement of a target ``module`` holding ``packed`` (its bias and embedding
-    scale, if any, must already be real tensors)."""
+def install_twin(model: nn.Module, name: str, packed: Packed, fmt: StoredFormat, group_size: int,
+                 dtype: torch.dtype) -> nn.Module:
+    """Replace target ``name`` of ``model`` by its compressed twin holding ``packed`` (its bias and scale must be
+    real tensors); returns the twin."""
+    module = model.get_submodule(name)
     if isinstance(module, nn.Embedding):
         scale = getattr(module, "embed_scale", None) if _is_scaled_embedding(module) else None
-        return CompressedEmbedding(packed, fmt, group_size, module.padding_idx, dtype, embed_scale=scale)
-    return CompressedLinear(module.in_features, module.out_features, packed, module.bias, fmt, group_size)
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+        new: nn.Module = CompressedEmbedding(packed, fmt, group_size, module.padding_idx, dtype, embed_scale=scale)
+    else:
+        new = CompressedLinear(module.in_features, module.out_features, packed, module.bias, fmt, group_size)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return new
 
 
 def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, group_size: int) -> dict[str, nn.Module]:
@@ -191,14 +179,9 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
         key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
         for i, (key, weight) in enumerate(unique.items())
     }
-    done: dict[str, nn.Module] = {}
-    for name, module in targets.items():
-        key = id(module.weight)
-        dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
-        new = compressed_twin(module, shared[key], stored, group_size, dtype)
-        _set_module(model, name, new)
-        done[name] = new
-    return done
+    return {name: install_twin(model, name, shared[id(m.weight)], stored, group_size,
+                               m.weight.dtype if m.weight.is_floating_point() else torch.float32)
+            for name, m in targets.items()}
 
 
 def apply_mebp(
@@ -206,18 +189,13 @@ def apply_mebp(
 ) -> nn.Module:
     """Convert ``model`` in place to MeBP training form and return it.
 
-    Every ``nn.Linear`` inside the transformer blocks (found by ``isinstance``) and, with
-    ``compress_embeddings``, the input embedding (Gemma's scaled one included) and LM head (tied or
-    not) become 4-bit frozen layers that decompress their weight only while they run. With
-    ``checkpoint`` each block is recomputed in backward; ``offload="mmap"`` writes the blocks' saved
-    tensors to memory-mapped files.
-
-    Never compressed: peft adapters (LoRA A/B), already quantized layers (bitsandbytes'
-    ``Linear4bit``), subclasses that override ``forward`` (warned) and **trainable weights**: in a model
-    set up for fine-tuning (some parameters frozen, as after ``get_peft_model``) a Linear whose weight
-    has ``requires_grad=True`` stays as it is and trainable (warned once, with the names). A model
-    whose parameters are all trainable (straight from ``from_pretrained``) is not set up yet: all of
-    its candidates are compressed, which freezes them, as ``BitsAndBytesConfig(load_in_4bit=True)``
+    Every ``nn.Linear`` inside the transformer blocks (by ``isinstance``) and, with ``compress_embeddings``,
+    the input embedding (Gemma's scaled one included) and LM head (tied or not) become frozen compressed
+    layers that decompress their weight only while they run; ``checkpoint`` and ``offload`` are installed
+    on the blocks. Never compressed: peft adapters, already quantized layers, subclasses that override
+    ``forward`` (warned), ``ignore_modules``, and trainable weights of a model set up for fine-tuning (some
+    parameters frozen; warned). A model whose parameters are all trainable (straight from
+    ``from_pretrained``) is compressed whole, which freezes it, as ``BitsAndBytesConfig(load_in_4bit=True)``
     does.
 
     Args:
@@ -280,9 +258,10 @@ def finish_conversion(
     compressed: dict[str, nn.Module],
     config: MeBPConfig,
     weight_store: MappedWeights | None = None,
+    source: str | None = None,
 ) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
-    state = MeBPState(config, blocks, compressed, weight_store=weight_store)
+    state = MeBPState(config, blocks, compressed, weight_store=weight_store, source=source)
     state.stats.sync_timing = config.sync_timing
     for module in compressed.values():
         module.stats, module.workspace = state.stats, state.workspace  # type: ignore[union-attr]
