@@ -1,9 +1,7 @@
 """MeBP: compressed frozen weights decompressed on the fly, per-block checkpointing, mmap offload.
 
-The public API is what this module exports; the memory internals (formats, buffers, heap, storage,
-offload, timers, block checkpointing) live in :mod:`lcsb_lightning.mebp._internal`.
-``import lcsb_lightning.mebp`` needs neither bitsandbytes nor CUDA; ``fmt="nf4"``/``"fp4"`` import
-bitsandbytes when used.
+The public API is what this module exports (the internals live in ``_internal``); importing it needs neither
+bitsandbytes nor CUDA.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Chunked LM-head cross-entropy: full-vocabulary logits never exist for the whole sequence.
 
-Tokens are processed ``chunk_size`` at a time. For a frozen ``nn.Linear`` head (a
-``CompressedLinear`` included) each chunk streams over the vocabulary in row blocks with an online
-log-sum-exp that also accumulates the input gradient, so not even one token chunk's
-full-vocabulary logits exist, nothing is recomputed in backward and the head's weight is
-decompressed once per chunk.
-Any other head (a callable, or one with trainable parameters) runs per chunk under a non-reentrant
-checkpoint, so its logits are recomputed in backward.
+A frozen ``nn.Linear`` head (a ``CompressedLinear`` included) streams over vocabulary blocks with an online
+log-sum-exp that also accumulates the input gradient; any other head runs per token chunk under a checkpoint.
 """
 
 from __future__ import annotations
@@ -45,12 +40,8 @@ def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[
 
 
 class _BlockScratch:
-    """Buffers for a vocabulary block's logits and exponentials, shared by the blocks (and token chunks) of one call.
-
-    Allocated anew per block, these temporaries (hundreds per step) churn through the heap: in a heap that
-    trims have left fragmented, each lands on free pages of its own and makes them resident again (the main
-    job's loss grew the resident set by some 100 MiB at every step). Under autocast, where an ``out=`` op is
-    refused, every block allocates as before."""
+    """Buffers for a vocabulary block's logits and exponentials, shared by the blocks of one call: allocated
+    anew, hundreds per step made a fragmented heap's free pages resident again (docs/mebp.md)."""
 
     def __init__(self) -> None:
         self._flat: dict[str, torch.Tensor] = {}
@@ -66,7 +57,7 @@ class _BlockScratch:
 
 def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
                   softcap: float | None, scratch: _BlockScratch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The transformed float logits of one vocabulary block (:func:`_transform`), in ``scratch`` where given."""
+    """The transformed float logits of one vocabulary block, in ``scratch`` (not under autocast: no ``out=``)."""
     if scratch is None or torch.is_autocast_enabled(hidden.device.type):
         return _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
     logits = scratch.matrix("logits", hidden.shape[0], weight.shape[0], hidden)
@@ -80,8 +71,7 @@ def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class _OnlineLogSumExp:
-    """A per-row log-sum-exp over vocabulary blocks seen one at a time (a running maximum and a running sum of
-    exponentials rescaled whenever the maximum grows), and each row's logit at its target id."""
+    """A per-row log-sum-exp over vocabulary blocks seen one at a time, and each row's logit at its target id."""
 
     def __init__(self, like: torch.Tensor, targets: torch.Tensor) -> None:
         rows_n = like.shape[0]
@@ -92,9 +82,8 @@ class _OnlineLogSumExp:
 
     def add(self, logits: torch.Tensor, rows: slice, block_max: torch.Tensor | None = None,
             scratch: _BlockScratch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Take in the logits of vocabulary ``rows``; returns ``(rescale, exp_logits, inside)``: the factor the
-        sums accumulated so far were scaled by, ``exp(logits - new max)`` (in ``scratch`` where given, valid
-        until the next block) and the rows whose target is in the block."""
+        """Take in the logits of vocabulary ``rows``; returns the factor the sums so far were scaled by,
+        ``exp(logits - new max)`` (valid until the next block) and the rows whose target is in the block."""
         new_max = torch.maximum(self.running_max, logits.amax(dim=1) if block_max is None else block_max)
         rescale = torch.exp(self.running_max - new_max)
         if scratch is None:
@@ -112,13 +101,8 @@ class _OnlineLogSumExp:
 
 
 class _StreamingLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks.
-
-    One pass: per block, the logits update an online log-sum-exp and, when a gradient is needed,
-    ``sum_v exp(z_v - m) W_v`` (rescaled whenever the running max ``m`` grows), so the input
-    gradient ``softmax(z) W - W_y`` is ready at the end of the forward. The head's weight is
-    decompressed once and its matmul runs twice per step (logits, gradient), as without chunking.
-    """
+    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks: the
+    input gradient ``softmax(z) W - W_y`` is accumulated in the forward, the head decompressed once."""
 
     @staticmethod
     def forward(
@@ -160,8 +144,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
 
 
 def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's own logits (``softcap * tanh(scale * z / softcap)``) and, with a softcap, their slope
-    over ``scale * z`` (the factor the softmax gradient picks up per logit)."""
+    """The model's own logits (``softcap * tanh(scale * z / softcap)``) and, with a softcap, their slope."""
     if scale != 1.0:
         logits = logits * scale
     if softcap is None:
@@ -189,7 +172,9 @@ def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[t
     return _chunk_nll(hidden, labels, lm_head, ignore_index, scale, softcap)[0].sum()
 
 
-def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def _check_labels(labels: torch.Tensor, vocab_size: Any, ignore_index: int) -> None:
+    if not isinstance(vocab_size, int):  # a callable head: checked on its logits
+        return
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(outside.any()):
         raise ValueError(
@@ -231,12 +216,9 @@ def chunked_lm_loss(
 ) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
-    Each chunk's logits are computed, reduced to a summed loss and dropped, so full-vocabulary
-    logits for the whole sequence never exist. For a frozen ``nn.Linear`` head they are streamed
-    over vocabulary blocks and the chunk's input gradient is accumulated in the same pass; any
-    other head is checkpointed per chunk and its logits are recomputed in backward. The result equals
-    ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift, and the
-    model's own loss when ``logit_scale``/``logit_softcap`` are the model's (:func:`logit_transform`).
+    A frozen ``nn.Linear`` head is streamed over vocabulary blocks; any other head is checkpointed per chunk.
+    The result equals ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift,
+    and the model's own loss with the model's ``logit_scale``/``logit_softcap`` (:func:`logit_transform`).
 
     Args:
         hidden_states: ``(batch, seq, hidden)`` output of the final norm.
@@ -273,9 +255,7 @@ def chunked_lm_loss(
     flat_labels = labels.reshape(-1).to(flat_hidden.device)
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"`logit_softcap` must be > 0 or None, got {logit_softcap!r}.")
-    vocab_size = getattr(lm_head, "out_features", None)
-    if isinstance(vocab_size, int):
-        _check_labels(flat_labels, vocab_size, ignore_index)
+    _check_labels(flat_labels, getattr(lm_head, "out_features", None), ignore_index)
     stream = _streamable(lm_head)
     scale, softcap = float(logit_scale), logit_softcap
     total = flat_hidden.new_zeros((), dtype=torch.float32)
@@ -306,11 +286,7 @@ def lm_head_predictions(
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
-    full-vocabulary logits of all positions at once (evaluation metrics).
-
-    A frozen ``nn.Linear`` head (a ``CompressedLinear`` included) streams over vocabulary blocks with an
-    online log-sum-exp and running maximum, decompressing each block once; any other head runs on
-    slices of positions.
+    full-vocabulary logits of all positions at once (evaluation metrics); heads as in :func:`chunked_lm_loss`.
 
     Args:
         hidden: ``(n, hidden)`` final-norm hidden states.
@@ -328,8 +304,7 @@ def lm_head_predictions(
     hidden = hidden.float()
     n = hidden.shape[0]
     vocab_size = getattr(lm_head, "out_features", None)
-    if isinstance(vocab_size, int):
-        _check_labels(targets, vocab_size, ignore_index)
+    _check_labels(targets, vocab_size, ignore_index)
     if not _streamable(lm_head):  # the loss's own chunks, a few positions at a time
         step = max(1, VOCAB_BLOCK_ELEMENTS // max(1, vocab_size or 1))
         parts = [_chunk_nll(hidden[s : s + step], targets[s : s + step], lm_head, ignore_index, logit_scale, logit_softcap)

@@ -33,8 +33,7 @@ def _skip_ddp_buffer_sync(module: nn.Module) -> None:
 
 
 def _place_weights(state: MeBPState) -> None:
-    """Map the compressed weights of a model that trains on the CPU (``weights="auto"``; ``"mmap"`` mapped
-    them at conversion), and let go of the weight store of one that trains elsewhere."""
+    """Map the compressed weights of a model that trains on the CPU, let go of those of one that trains elsewhere."""
     config, store = state.config, state.weight_store
     modules = list(state.compressed_modules.values())
     device = modules[0].weight.device
@@ -59,32 +58,21 @@ PRECISIONS: tuple[str, ...] = get_args(_Precision)
 
 
 class QuantizedMeBP(Precision):
-    """Memory-efficient backprop (MeBP) on 4-bit frozen weights, as a Trainer plugin.
+    """Memory-efficient backprop (MeBP) on compressed frozen weights, as a Trainer plugin.
 
-    ``convert_module`` compresses the frozen Linears of the transformer blocks (and with
-    ``compress_embeddings`` the input embedding and LM head) to ``fmt``, installs per-block
-    checkpointing and the optional mmap offload; computation stays float32 (or runs under bfloat16
-    autocast with ``precision="bf16-mixed"``). Conversion happens in
-    ``Trainer.fit`` before the strategy wraps the model, so it works with single-device and DDP
-    strategies alike. Composes with ``LCSBCallback``: a block LCSB skips is neither recomputed nor
-    decompressed in backward.
-
-    Per optimizer step it logs ``mebp/decompress_fwd_ms``, ``mebp/decompress_bwd_ms`` (including the
-    recompute's decompressions), ``mebp/recompute_ms``, ``mebp/backward_ms`` and
-    ``mebp/decompress_share_bwd`` and ``mebp/heap_trims`` (the heap trims since the previous optimizer step,
-    :class:`~lcsb_lightning.heap_trim.HeapTrim`'s included) to the Trainer's loggers every
-    ``log_every_n_steps``; the latest values are in :attr:`last_metrics`.
+    ``convert_module`` runs :func:`apply_mebp` in ``Trainer.fit`` before the strategy wraps the model
+    (single-device and DDP alike; a model already converted is left as it is). Composes with
+    ``LCSBCallback``: a block LCSB skips is neither recomputed nor decompressed in backward. Per optimizer
+    step it logs the ``mebp/...`` timings and ``mebp/heap_trims`` every ``log_every_n_steps``
+    (docs/mebp.md, "Instrumentation"); the latest values are in :attr:`last_metrics`.
 
     Args:
         config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without
-            one). LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``) and
-            ``--print_config`` prints every field with its value. ``sync_timing`` applies to the timers
-            of the model this plugin trains, also one converted beforehand.
-        precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
-            ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
+            one); LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``).
+        precision: The Trainer precision it stands for: ``"32-true"`` (float32, the default) or
+            ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
         **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields by keyword (``fmt="int4"``): without
-            ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
-            instantiates the plugin).
+            ``config`` they build one, beside it they override its fields.
 
     Raises:
         TypeError: an option that is not a ``MeBPConfig`` field, or a bad value (see ``MeBPConfig``).
