@@ -177,16 +177,8 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         torch.Size([2, 8])
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        packed: Packed,
-        bias: torch.Tensor | None,
-        fmt: str | StoredFormat,
-        group_size: int,
-        max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, packed: Packed, bias: torch.Tensor | None,
+                 fmt: str | StoredFormat, group_size: int, max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> None:
         nn.Module.__init__(self)
         self.in_features = in_features
         self.out_features = out_features
@@ -227,15 +219,8 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         torch.Size([1, 2, 64])
     """
 
-    def __init__(
-        self,
-        packed: Packed,
-        fmt: str | StoredFormat,
-        group_size: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        embed_scale: torch.Tensor | float | None = None,
-    ) -> None:
+    def __init__(self, packed: Packed, fmt: str | StoredFormat, group_size: int, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32, embed_scale: torch.Tensor | float | None = None) -> None:
         super().__init__()
         self.dtype = dtype
         self.num_embeddings = packed.codes.shape[0]

@@ -95,7 +95,8 @@ class MeBPConfig:
             if kind is bool and not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
             if get_origin(kind) is Literal and value not in get_args(kind):
-                raise ValueError(f"`{name}={value!r}` is not supported; choose one of {', '.join(map(repr, get_args(kind)))}.")
+                choices = ", ".join(map(repr, get_args(kind)))
+                raise ValueError(f"`{name}={value!r}` is not supported; choose one of {choices}.")
         if self.weights == "mmap" and not mmap_supported():
             raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
         names: Any = self.ignore_modules

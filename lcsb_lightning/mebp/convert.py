@@ -252,14 +252,8 @@ def map_compressed(compressed: dict[str, nn.Module], store: MappedWeights) -> No
         module.weight, module.scales, module.mins = mapped[key].codes, mapped[key].scales, mapped[key].mins
 
 
-def finish_conversion(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    compressed: dict[str, nn.Module],
-    config: MeBPConfig,
-    weight_store: MappedWeights | None = None,
-    source: str | None = None,
-) -> nn.Module:
+def finish_conversion(model: nn.Module, blocks: list[nn.Module], compressed: dict[str, nn.Module], config: MeBPConfig,
+                      weight_store: MappedWeights | None = None, source: str | None = None) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
     state = MeBPState(config, blocks, compressed, weight_store=weight_store, source=source)
     state.stats.sync_timing = config.sync_timing

@@ -160,14 +160,8 @@ def _load_float_params(model: nn.Module, source: WeightSource, names: dict[int, 
                 module._parameters[pname] = loaded[id(param)]
 
 
-def load_float(
-    source: Source,
-    *,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    model_config: Any = None,
-) -> nn.Module:
+def load_float(source: Source, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+               model_config: Any = None) -> nn.Module:
     """Load a causal LM in float, one tensor at a time, from the sources :func:`load_compressed` reads
     (a GGUF equal to transformers' ``from_pretrained(..., gguf_file=...)``, with no second copy in memory).
     Arguments as in :func:`load_compressed`. Returns the model in eval mode.
@@ -190,16 +184,9 @@ def load_float(
     return model
 
 
-def load_compressed(
-    source: Source,
-    config: MeBPConfig | None = None,
-    *,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    model_config: Any = None,
-    **options: Any,
-) -> nn.Module:
+def load_compressed(source: Source, config: MeBPConfig | None = None, *, gguf_file: str | None = None,
+                    dtype: torch.dtype = torch.float32, seed: int = 0, model_config: Any = None,
+                    **options: Any) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
 
     Args:

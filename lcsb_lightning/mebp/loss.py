@@ -105,16 +105,8 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
     input gradient ``softmax(z) W - W_y`` is accumulated in the forward, the head decompressed once."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        labels: torch.Tensor,
-        head: nn.Linear,
-        ignore_index: int,
-        scale: float,
-        softcap: float | None,
-        scratch: _BlockScratch | None = None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, ignore_index: int, scale: float,
+                softcap: float | None, scratch: _BlockScratch | None = None) -> torch.Tensor:
         hidden = hidden.float()
         need_grad = ctx.needs_input_grad[0]
         online = _OnlineLogSumExp(hidden, labels)
@@ -153,14 +145,8 @@ def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tup
     return capped * softcap, 1.0 - capped.square()
 
 
-def _chunk_nll(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    ignore_index: int,
-    scale: float,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_nll(hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+               ignore_index: int, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of a chunk through any head, the NLL of ``labels`` (0 at ``ignore_index``), and the logits."""
     logits, _ = _transform(lm_head(hidden).float(), scale, softcap)
     _check_labels(labels, logits.shape[-1], ignore_index)
@@ -204,16 +190,9 @@ def _streamable(lm_head: Any) -> bool:
     return isinstance(lm_head, nn.Linear) and not any(p.requires_grad for p in lm_head.parameters())
 
 
-def chunked_lm_loss(
-    hidden_states: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    labels: torch.Tensor,
-    chunk_size: int = 1024,
-    ignore_index: int = -100,
-    shift_labels: bool = True,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-) -> torch.Tensor:
+def chunked_lm_loss(hidden_states: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
+                    chunk_size: int = 1024, ignore_index: int = -100, shift_labels: bool = True,
+                    logit_scale: float = 1.0, logit_softcap: float | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
     A frozen ``nn.Linear`` head is streamed over vocabulary blocks; any other head is checkpointed per chunk.
@@ -277,14 +256,9 @@ PREDICTION_POSITIONS = 256
 
 
 @torch.no_grad()
-def lm_head_predictions(
-    hidden: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    targets: torch.Tensor,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-    ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_predictions(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                        logit_scale: float = 1.0, logit_softcap: float | None = None,
+                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
     full-vocabulary logits of all positions at once (evaluation metrics); heads as in :func:`chunked_lm_loss`.
 

@@ -45,15 +45,9 @@ class BlockCheckpoint:
     name = CHECKPOINT_WRAPPER
     persistent = True  # part of the converted model: copies and pickles keep it
 
-    def __init__(
-        self,
-        block: nn.Module,
-        checkpoint_blocks: bool,
-        saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
-        stats: MeBPStats | None = None,
-        release_heap: bool = True,
-        starts_pass: bool = False,
-    ) -> None:
+    def __init__(self, block: nn.Module, checkpoint_blocks: bool,
+                 saved_tensors_context: Callable[[], ContextManager[Any]] | None = None, stats: MeBPStats | None = None,
+                 release_heap: bool = True, starts_pass: bool = False) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
@@ -112,13 +106,9 @@ class _Recompute:
             return self.inner(*args, **kwargs)
 
 
-def install_block_wrappers(
-    blocks: Sequence[nn.Module],
-    checkpoint_blocks: bool,
-    saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
-    stats: MeBPStats | None = None,
-    release_heap: bool = True,
-) -> None:
+def install_block_wrappers(blocks: Sequence[nn.Module], checkpoint_blocks: bool,
+                           saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
+                           stats: MeBPStats | None = None, release_heap: bool = True) -> None:
     """Install a :class:`BlockCheckpoint` on each block; the lowest starts each forward pass of the heap trims."""
     for block in blocks:
         if get_wrapper(block, CHECKPOINT_WRAPPER) is not None:

@@ -152,7 +152,7 @@ def rotary_heads(reader: GGUFFile | GGUFReader) -> dict[str, int]:
 
 
 def rotary_order(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter permutation of Q/K rows in Hugging Face order: each head's two rotary halves interleaved."""
+    """llama.cpp's converter permutation of Q/K rows (Hugging Face order in): each head's rotary halves interleaved."""
     return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
@@ -193,7 +193,7 @@ class GGUFSource:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"The GGUF file has no tensor for the parameters {shown} (architecture {arch!r}).")
         rotary = rotary_heads(self.reader)
-        self._heads = {name: n for name, tensor in self.tensors.items() for key, n in rotary.items() if key in tensor.name}
+        self._heads = {name: n for name, t in self.tensors.items() for key, n in rotary.items() if key in t.name}
         self._shifted: set[str] = set()
         if arch in ("gemma2", "gemma3"):
             self._shifted = {name for name, tensor in self.tensors.items() if "norm.weight" in tensor.name}
@@ -211,7 +211,7 @@ class GGUFSource:
         return tensor
 
     def _file_rows(self, name: str, rows: int, start: int, stop: int) -> np.ndarray | None:
-        """File row of each HF row ``start:stop`` of a Q/K tensor in :func:`rotary_order` with ``rows`` rows; else None."""
+        """File row of each HF row ``start:stop`` of a Q/K tensor in :func:`rotary_order` (``rows`` rows), else None."""
         n_head = self._heads.get(name)
         return None if n_head is None else np.argsort(rotary_order(np.arange(rows), n_head))[start:stop]
 
