@@ -94,10 +94,8 @@ def _allocate(shapes: dict[int, tuple[int, int]], targets: dict[int, _Target]) -
     by_format: dict[_Target, list[int]] = defaultdict(list)
     for key, target in targets.items():
         by_format[target].append(key)
-    slots: dict[int, Packed] = {}
-    for target, keys in by_format.items():
-        slots.update(zip(keys, target.fmt.allocate([shapes[k] for k in keys], target.group_size)))
-    return slots
+    return {key: slot for target, keys in by_format.items()
+            for key, slot in zip(keys, target.fmt.allocate([shapes[k] for k in keys], target.group_size))}
 
 
 def _describe(targets: dict[int, _Target], source_types: dict[int, str]) -> str:

@@ -140,8 +140,7 @@ class MappedWeights:
 
     def map(self, packed: Packed) -> Packed:
         """A copy of ``packed`` whose codes, scales (and minimums) live in memory-mapped files."""
-        mins = self._map_tensor(packed.mins) if packed.mins is not None else None
-        return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales), mins)
+        return Packed(*map(self._map_tensor, packed.tensors()))
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or the tensor it is a view of) is one of this store's live mappings."""

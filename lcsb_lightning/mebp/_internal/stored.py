@@ -30,15 +30,10 @@ class Packed:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 def select_rows(packed: Packed, index: torch.Tensor | slice) -> Packed:
     """The compressed rows ``index`` of ``packed`` (an embedding lookup or an output chunk)."""
-    mins = packed.mins[index] if packed.mins is not None else None
-    return Packed(packed.codes[index], packed.scales[index], mins)
+    return Packed(*(tensor[index] for tensor in packed.tensors()))
 
 
 class StoredFormat:
