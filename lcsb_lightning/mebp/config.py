@@ -129,16 +129,13 @@ DEFAULT_CONFIG = MeBPConfig()
 def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
     """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
     if config is not None and not isinstance(config, MeBPConfig):
-        raise TypeError(
-            f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "
-            "(fmt=..., group_size=...) by keyword."
-        )
+        raise TypeError(f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the "
+                        "options (fmt=..., group_size=...) by keyword.")
     fields = tuple(field.name for field in dataclasses.fields(MeBPConfig))
     unknown = [name for name in options if name not in fields]
     if unknown:
-        raise TypeError(
-            f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are {', '.join(fields)}."
-        )
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are "
+                        f"{', '.join(fields)}.")
     if config is None:
         return MeBPConfig(**options)
     return dataclasses.replace(config, **options) if options else config

@@ -78,9 +78,8 @@ def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
 
 def _is_scaled_embedding(module: nn.Module) -> bool:
     """Hugging Face's ``*ScaledWordEmbedding`` (Gemma 3, Bart, ...): a lookup times ``embed_scale``."""
-    return isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding") and hasattr(
-        module, "embed_scale"
-    )
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and hasattr(module, "embed_scale"))
 
 
 def _same_computation(module: nn.Module) -> bool:
@@ -124,20 +123,13 @@ def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) 
         else:
             targets[name] = module
     if different:
-        warnings.warn(
-            f"QuantizedMeBP left {len(different)} module(s) uncompressed whose class overrides `forward`: "
-            f"{', '.join(different)}; add them to `ignore_modules` to silence this.",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"QuantizedMeBP left {len(different)} module(s) uncompressed whose class overrides `forward`: "
+                      f"{', '.join(different)}; add them to `ignore_modules` to silence this.", UserWarning,
+                      stacklevel=3)
     if trainable:
-        warnings.warn(
-            f"QuantizedMeBP left {len(trainable)} trainable module(s) uncompressed (their weight has "
-            f"requires_grad=True while other parameters are frozen): {', '.join(trainable)}. Freeze them "
-            "before conversion to compress them.",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"QuantizedMeBP left {len(trainable)} trainable module(s) uncompressed (their weight has "
+                      f"requires_grad=True while other parameters are frozen): {', '.join(trainable)}. Freeze them "
+                      "before conversion to compress them.", UserWarning, stacklevel=3)
     return targets
 
 
@@ -146,10 +138,9 @@ def check_group_sizes(targets: dict[str, nn.Module], group_sizes: dict[str, int]
     for name, module in targets.items():
         width, group_size = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim, group_sizes[name]
         if width % group_size:
-            raise ValueError(
-                f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
-                f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to `ignore_modules`."
-            )
+            raise ValueError(f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
+                             f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to "
+                             "`ignore_modules`.")
 
 
 def install_twin(model: nn.Module, name: str, packed: Packed, fmt: StoredFormat, group_size: int,
@@ -175,10 +166,8 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
     # One buffer for all codes and scales (StoredFormat.allocate), on the weights' device.
     shapes = [tuple(w.shape) for w in unique.values()]
     slots = stored.allocate(shapes, group_size, devices.pop()) if len(devices) == 1 else None
-    shared = {
-        key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
-        for i, (key, weight) in enumerate(unique.items())
-    }
+    shared = {key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
+              for i, (key, weight) in enumerate(unique.items())}
     return {name: install_twin(model, name, shared[id(m.weight)], stored, group_size,
                                m.weight.dtype if m.weight.is_floating_point() else torch.float32)
             for name, m in targets.items()}
@@ -229,11 +218,9 @@ def apply_mebp(
     targets = find_targets(model, found, config)
     check_group_sizes(targets, dict.fromkeys(targets, config.group_size))
     if not targets:
-        raise TypeError(
-            f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
-            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={config.ignore_modules!r}`; "
-            "trainable and already quantized layers are never compressed)."
-        )
+        raise TypeError(f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
+                        f"{type(unwrap_model(model)).__name__} (after `ignore_modules={config.ignore_modules!r}`; "
+                        "trainable and already quantized layers are never compressed).")
     compressed = compress_modules(model, targets, config.fmt, config.group_size)
     device = next(iter(compressed.values())).weight.device
     store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, device, config.offload_dir) else None

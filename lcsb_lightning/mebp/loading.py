@@ -118,9 +118,8 @@ def _resolve(source: Source, gguf_file: str | None, model_config: Any = None) ->
     if isinstance(source, PretrainedConfig):
         return source, "random", None, None
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(
-            f"`source` must be a checkpoint folder, a .gguf file or a transformers config, got {type(source).__name__}."
-        )
+        raise TypeError("`source` must be a checkpoint folder, a .gguf file or a transformers config, got "
+                        f"{type(source).__name__}.")
     path = os.fspath(source)
     if gguf_file is not None:
         path = os.path.join(path, gguf_file)
@@ -262,11 +261,7 @@ def _warn_requantized(source_types: dict[int, str], formats: dict[int, _Target],
     by_type = ", ".join(f"{n} x {kind}" for kind, n in sorted(Counter(source_types.values()).items()))
     into = ", ".join(sorted({f"{formats[key].fmt.name}/{formats[key].group_size}" for key in source_types}))
     relative = (error[0] / error[1]) ** 0.5 if error[1] > 0 else 0.0
-    warnings.warn(
-        f"load_compressed: {len(source_types)} quantized GGUF tensor(s) of {path} have no stored format that holds "
-        f"them as they are ({by_type}) and were quantized a second time, to {into}: relative error "
-        f"{relative:.4f} (root of the summed squared error over the summed squared weights, against the file's "
-        "dequantized weights).",
-        UserWarning,
-        stacklevel=3,
-    )
+    warnings.warn(f"load_compressed: {len(source_types)} quantized GGUF tensor(s) of {path} have no stored format that "
+                  f"holds them as they are ({by_type}) and were quantized a second time, to {into}: relative error "
+                  f"{relative:.4f} (root of the summed squared error over the summed squared weights, against the "
+                  "file's dequantized weights).", UserWarning, stacklevel=3)

@@ -163,10 +163,8 @@ def _check_labels(labels: torch.Tensor, vocab_size: Any, ignore_index: int) -> N
         return
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(outside.any()):
-        raise ValueError(
-            f"label {int(labels[outside][0])} is outside the vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); "
-            f"only {ignore_index} (`ignore_index`) may lie outside it."
-        )
+        raise ValueError(f"label {int(labels[outside][0])} is outside the vocabulary of {vocab_size} (ids "
+                         f"0..{vocab_size - 1}); only {ignore_index} (`ignore_index`) may lie outside it.")
 
 
 def logit_transform(model: nn.Module) -> dict[str, float | None]:
@@ -224,10 +222,8 @@ def chunked_lm_loss(hidden_states: torch.Tensor, lm_head: Callable[[torch.Tensor
     """
     chunk_size = check_int("chunk_size", chunk_size, 1)
     if hidden_states.dim() != 3 or labels.shape != hidden_states.shape[:2]:
-        raise ValueError(
-            f"Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "
-            f"{tuple(hidden_states.shape)} and {tuple(labels.shape)}."
-        )
+        raise ValueError("Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "
+                         f"{tuple(hidden_states.shape)} and {tuple(labels.shape)}.")
     if shift_labels:
         hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])

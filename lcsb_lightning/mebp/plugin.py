@@ -21,13 +21,9 @@ from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, map_compressed, m
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     """Keep DDP from broadcasting the compressed codes every step (every rank derives the same ones)."""
-    names = [
-        f"{name}.{buffer}"
-        for name, sub in module.named_modules()
-        if isinstance(sub, (CompressedLinear, CompressedEmbedding))
-        for buffer in ("weight", "scales", "mins")
-        if getattr(sub, buffer) is not None  # the symmetric formats have no minimums
-    ]
+    names = [f"{name}.{buffer}" for name, sub in module.named_modules()
+             if isinstance(sub, (CompressedLinear, CompressedEmbedding))
+             for buffer in ("weight", "scales", "mins") if getattr(sub, buffer) is not None]  # symmetric: no minimums
     ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 

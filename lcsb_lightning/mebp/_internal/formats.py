@@ -56,10 +56,9 @@ def _bnb_functional(fmt: str) -> ModuleType:
     try:
         return importlib.import_module("bitsandbytes.functional")
     except ImportError as err:  # ModuleNotFoundError, or a broken native library
-        raise ModuleNotFoundError(
-            f"`fmt={fmt!r}` needs bitsandbytes, which could not be imported ({err}). "
-            "Use `fmt='int4'` (plain torch, no extra dependency) or `pip install bitsandbytes`."
-        ) from err
+        raise ModuleNotFoundError(f"`fmt={fmt!r}` needs bitsandbytes, which could not be imported ({err}). Use "
+                                  "`fmt='int4'` (plain torch, no extra dependency) or `pip install "
+                                  "bitsandbytes`.") from err
 
 
 class _CodeBook(StoredFormat):

@@ -95,10 +95,8 @@ def gguf_architecture(reader: GGUFReader) -> str:
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported by `load_compressed`; "
-            f"supported architectures: {', '.join(GGUF_ARCHITECTURES)}."
-        )
+        raise ValueError(f"GGUF architecture {arch!r} is not supported by `load_compressed`; "
+                         f"supported architectures: {', '.join(GGUF_ARCHITECTURES)}.")
     return str(arch)
 
 
@@ -201,10 +199,9 @@ class GGUFSource:
     @staticmethod
     def _checked(tensor: ReaderTensor, name: str, shape: torch.Size) -> ReaderTensor:
         if not _dequantizable(tensor.tensor_type):
-            raise ValueError(
-                f"GGUF tensor `{tensor.name}` (parameter `{name}`) has type {tensor.tensor_type.name}, which the "
-                f"installed gguf package cannot dequantize; supported types: {', '.join(gguf_quant_types())}."
-            )
+            raise ValueError(f"GGUF tensor `{tensor.name}` (parameter `{name}`) has type {tensor.tensor_type.name}, "
+                             "which the installed gguf package cannot dequantize; supported types: "
+                             f"{', '.join(gguf_quant_types())}.")
         file_shape = tuple(reversed([int(d) for d in tensor.shape]))
         if file_shape != tuple(shape):
             raise ValueError(f"GGUF tensor `{tensor.name}` has shape {file_shape}; parameter `{name}` has {tuple(shape)}.")

@@ -112,13 +112,9 @@ class MappedWeights:
         self.parent_dir = parent_dir
         self.path = tempfile.mkdtemp(prefix="lcsb_mebp_weights_", dir=parent_dir)
         if on_ram_file_system(self.path):
-            warnings.warn(
-                f"QuantizedMeBP's weights='mmap' directory {self.path} is on a RAM file system: the compressed "
-                "weights stay in RAM (as shared memory, outside the process's RSS); set offload_dir to a "
-                "directory on a disk.",
-                UserWarning,
-                stacklevel=3,
-            )
+            warnings.warn(f"QuantizedMeBP's weights='mmap' directory {self.path} is on a RAM file system: the "
+                          "compressed weights stay in RAM (as shared memory, outside the process's RSS); set "
+                          "offload_dir to a directory on a disk.", UserWarning, stacklevel=3)
         self._counter = itertools.count()
         self.bytes_mapped = 0
         # By start address: while a mapping lives no other allocation can have its address.
