@@ -110,40 +110,38 @@ def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: to
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
 
 
-def _resolve(source: Source, gguf_file: str | None, model_config: Any = None) -> tuple[Any, str, str | None, GGUFReader | None]:
-    """``(config, kind, path, reader)``: kind ``"random"``, ``"safetensors"`` or ``"gguf"``; reader the open
-    GGUF file (its architecture checked before transformers parses the config), else None."""
+def _open(source: Source, gguf_file: str | None, model_config: Any, dtype: torch.dtype,
+          seed: int) -> tuple[nn.Module, WeightSource, str | None, GGUFReader | None]:
+    """``(meta model, its weight source, path, the open GGUF file or None)``; a GGUF's architecture is checked
+    before transformers parses its config."""
     from transformers import AutoConfig, PretrainedConfig
 
+    path, reader = None, None
     if isinstance(source, PretrainedConfig):
-        return source, "random", None, None
-    if not isinstance(source, (str, os.PathLike)):
+        model_config = source
+    elif not isinstance(source, (str, os.PathLike)):
         raise TypeError("`source` must be a checkpoint folder, a .gguf file or a transformers config, got "
                         f"{type(source).__name__}.")
-    path = os.fspath(source)
-    if gguf_file is not None:
-        path = os.path.join(path, gguf_file)
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
-        reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
-        folder, name = os.path.split(os.path.abspath(path))
-        return model_config or AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path, reader
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
-    return model_config or AutoConfig.from_pretrained(path), "safetensors", path, None
-
-
-def _weight_source(model: nn.Module, model_config: Any, kind: str, path: str | None, reader: GGUFReader | None,
-                   seed: int) -> WeightSource:
-    if kind == "random":
-        return RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed)
-    if kind == "safetensors":
-        assert path is not None
-        names = {id(p): n for n, p in model.named_parameters()}
-        tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
-        return SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
-    return GGUFSource(reader, model)  # maps names, checks tensor types and shapes
+    else:
+        path = os.path.join(os.fspath(source), gguf_file) if gguf_file is not None else os.fspath(source)
+        if path.endswith(".gguf"):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
+            reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
+            folder, name = os.path.split(os.path.abspath(path))
+            model_config = model_config or AutoConfig.from_pretrained(folder, gguf_file=name)
+        elif not os.path.isdir(path):
+            raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
+        else:
+            model_config = model_config or AutoConfig.from_pretrained(path)
+    model = _meta_model(model_config, dtype)
+    if reader is not None:
+        return model, GGUFSource(reader, model), path, reader  # maps names, checks tensor types and shapes
+    if path is None:
+        return model, RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed), None, None
+    names = {id(p): n for n, p in model.named_parameters()}
+    tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
+    return model, SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}}), path, None
 
 
 def _load_float_params(model: nn.Module, source: WeightSource, names: dict[int, str], dtype: torch.dtype) -> None:
@@ -171,10 +169,8 @@ def load_float(source: Source, *, gguf_file: str | None = None, dtype: torch.dty
         >>> load_float(config).model.embed_tokens.weight.dtype
         torch.float32
     """
-    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
-    model = _meta_model(model_config, dtype)
-    names = {id(p): n for n, p in model.named_parameters()}
-    _load_float_params(model, _weight_source(model, model_config, kind, path, reader, seed), names, dtype)
+    model, weight_source, _, reader = _open(source, gguf_file, model_config, dtype, seed)
+    _load_float_params(model, weight_source, {id(p): n for n, p in model.named_parameters()}, dtype)
     if reader is not None:
         reader.close()
     trim_heap()
@@ -216,12 +212,9 @@ def load_compressed(source: Source, config: MeBPConfig | None = None, *, gguf_fi
     config = build_config(config, options, "load_compressed")
     if config.map_large_allocations:  # before the loading's chunks: the heap must not hold them to serve later
         map_large_allocations()
-    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
-    model = _meta_model(model_config, dtype)
-    found = find_blocks(model)
-    targets = find_targets(model, found, config)
+    model, weight_source, path, reader = _open(source, gguf_file, model_config, dtype, seed)
+    targets = find_targets(model, find_blocks(model), config)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
-    weight_source = _weight_source(model, model_config, kind, path, reader, seed)
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
     formats = {key: _target_format(weight_source, names[key], config) for key in unique}
     check_group_sizes(targets, {name: formats[id(m.weight)].group_size for name, m in targets.items()})
