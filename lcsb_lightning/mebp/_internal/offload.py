@@ -4,6 +4,7 @@ every saved tensor of at least ``min_bytes`` goes to its own file, deleted once 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -27,12 +28,9 @@ class _OnDisk:
         self.shape = tensor.shape
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
-        flat = tensor.detach().reshape(-1)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
         try:
             with open(path, "wb") as handle:
-                flat.contiguous().view(torch.uint8).numpy().tofile(handle)
+                tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tofile(handle)
         except OSError as exc:
             _unlink(path)
             reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
@@ -46,10 +44,8 @@ class _OnDisk:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class MmapOffload:
@@ -59,11 +55,7 @@ class MmapOffload:
     def __init__(self, parent_dir: str | None = None, min_bytes: int = 1 << 10) -> None:
         if min_bytes < 0:
             raise ValueError(f"`min_bytes` must be >= 0, got {min_bytes}.")
-        self.min_bytes = min_bytes
-        self.parent_dir = parent_dir
-        self._counter = itertools.count()
-        self.bytes_written = 0
-        self._open()
+        self.__setstate__({"min_bytes": min_bytes, "parent_dir": parent_dir})
 
     def _open(self) -> None:
         self.path = tempfile.mkdtemp(prefix="lcsb_mebp_", dir=self.parent_dir)

@@ -171,7 +171,7 @@ class GGUFSource:
         import gguf
 
         self.reader = gguf_file if isinstance(gguf_file, (GGUFFile, gguf.GGUFReader)) else GGUFFile(gguf_file)
-        self.architecture = arch = gguf_architecture(self.reader)
+        arch = gguf_architecture(self.reader)
         arch_id = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}[arch]
         name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
         by_name = {tensor.name: tensor for tensor in self.reader.tensors}
@@ -182,19 +182,15 @@ class GGUFSource:
         missing: list[str] = []
         for group in groups.values():
             found = [by_name[g] for g in (gguf_tensor_name(name_map, n) for n, _ in group) if g in by_name]
-            if not found:
-                missing.extend(n for n, _ in group)
-            for name, shape in group:
-                if found:
-                    self.tensors[name] = self._checked(found[0], name, shape)
+            missing.extend(n for n, _ in group if not found)
+            self.tensors.update((name, self._checked(found[0], name, shape)) for name, shape in group if found)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"The GGUF file has no tensor for the parameters {shown} (architecture {arch!r}).")
         rotary = rotary_heads(self.reader)
         self._heads = {name: n for name, t in self.tensors.items() for key, n in rotary.items() if key in t.name}
-        self._shifted: set[str] = set()
-        if arch in ("gemma2", "gemma3"):
-            self._shifted = {name for name, tensor in self.tensors.items() if "norm.weight" in tensor.name}
+        gemma = arch in ("gemma2", "gemma3")
+        self._shifted = {name for name, tensor in self.tensors.items() if gemma and "norm.weight" in tensor.name}
 
     @staticmethod
     def _checked(tensor: ReaderTensor, name: str, shape: torch.Size) -> ReaderTensor:
