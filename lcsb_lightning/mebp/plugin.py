@@ -82,15 +82,14 @@ class QuantizedMeBP(Precision):
 
     precision = "32-true"
 
-    def __init__(
-        self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true", **options: Any
-    ) -> None:
+    def __init__(self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true",
+                 **options: Any) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
         self.config = build_config(config, options, "QuantizedMeBP")
         self.precision = precision  # type: ignore[assignment]
         self._module: nn.Module | None = None
-        self._stats = MeBPStats()
+        self.stats = MeBPStats()  #: the converted model's timers, once convert_module ran
         self.last_metrics: dict[str, float] = {}
         self._trims_at_last_step = trim_count()
 
@@ -102,9 +101,9 @@ class QuantizedMeBP(Precision):
         self._module = module
         state = mebp_state(module)
         assert state is not None
-        self._stats = state.stats  # looked up once: mebp_state may walk every module
-        self._stats.sync_timing = self.config.sync_timing
-        self._stats.reset()
+        self.stats = state.stats  # looked up once: mebp_state may walk every module
+        self.stats.sync_timing = self.config.sync_timing
+        self.stats.reset()
         self._trims_at_last_step = trim_count()
         return module
 
@@ -114,11 +113,6 @@ class QuantizedMeBP(Precision):
         if state is not None:
             _place_weights(state)
         return super().connect(model, optimizers, lr_schedulers)
-
-    @property
-    def stats(self) -> MeBPStats:
-        """The timers of the converted model (a fresh, unattached one before ``convert_module``)."""
-        return self._stats
 
     @property
     def offload_path(self) -> str | None:

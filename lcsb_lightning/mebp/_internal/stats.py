@@ -44,8 +44,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_TimedKey = str  # what a timed region adds to: a decompression phase, or one of these
-_RECOMPUTE, _BACKWARD = "recompute", "backward_pass"
+_TimedKey = str  # what a timed region adds to: a decompression phase, or one of these attributes
+_RECOMPUTE, _BACKWARD = "recompute_ms", "backward_ms"
 
 
 @dataclass
@@ -80,18 +80,14 @@ class MeBPStats:
     def reset(self) -> None:
         """Zero the totals (event pairs the device has not reached yet count after the reset)."""
         for key in self.decompress_ms:
-            self.decompress_ms[key] = 0.0
-            self.decompress_count[key] = 0
-        self.recompute_ms = 0.0
-        self.backward_ms = 0.0
+            self.decompress_ms[key], self.decompress_count[key] = 0.0, 0
+        self.recompute_ms = self.backward_ms = 0.0
 
     def _add_ms(self, key: _TimedKey, ms: float) -> None:
-        if key == _RECOMPUTE:
-            self.recompute_ms += ms
-        elif key == _BACKWARD:
-            self.backward_ms += ms
-        else:
+        if key in self.decompress_ms:
             self.decompress_ms[key] += ms
+        else:
+            setattr(self, key, getattr(self, key) + ms)
 
     def time_recompute(self, device: torch.device) -> ContextManager[None]:
         """Time a block's backward recompute (a no-op while ``enabled`` is False)."""
