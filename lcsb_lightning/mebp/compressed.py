@@ -108,9 +108,8 @@ class _CompressedWeight:
         assert isinstance(self, nn.Module)
         self.fmt = get_format(fmt)
         self.group_size = group_size
-        self.register_buffer("weight", packed.codes, persistent=False)
-        self.register_buffer("scales", packed.scales, persistent=False)
-        self.register_buffer("mins", packed.mins, persistent=False)
+        for name, tensor in (("weight", packed.codes), ("scales", packed.scales), ("mins", packed.mins)):
+            self.register_buffer(name, tensor, persistent=False)
         self.decompress_count = {"forward": 0, "backward": 0}
         self.stats = None
         self.workspace = None
@@ -227,10 +226,8 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         self.embedding_dim = get_format(fmt).columns(packed)
         self.padding_idx = padding_idx
         self._store(packed, fmt, group_size)
-        if embed_scale is not None:  # Hugging Face's scaled word embeddings (Gemma 3, ...)
-            self.register_buffer("embed_scale", torch.as_tensor(embed_scale).detach().clone(), persistent=False)
-        else:
-            self.embed_scale = None
+        scale = None if embed_scale is None else torch.as_tensor(embed_scale).detach().clone()  # Gemma 3's, ...
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     @classmethod
     def from_embedding(

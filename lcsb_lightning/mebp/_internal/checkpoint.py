@@ -24,10 +24,7 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 def _first_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
+    return next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
 class BlockCheckpoint:
@@ -77,9 +74,7 @@ class BlockCheckpoint:
         if not self.checkpoint_blocks:
             with context:
                 return inner(*args, **kwargs)
-        for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+        kwargs.update({name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None})
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         with context:
