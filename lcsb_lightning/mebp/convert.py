@@ -55,13 +55,9 @@ def _ignored(name: str, ignore_modules: Iterable[str]) -> bool:
 
 def _adapter_module_ids(model: nn.Module) -> set[int]:
     """Modules inside peft adapter containers (LoRA A/B): never compressed."""
-    excluded: set[int] = set()
-    for module in model.modules():
-        for attr in getattr(module, "adapter_layer_names", ()):
-            container = getattr(module, attr, None)
-            if isinstance(container, nn.Module):
-                excluded.update(id(m) for m in container.modules())
-    return excluded
+    containers = (getattr(module, attr, None) for module in model.modules()
+                  for attr in getattr(module, "adapter_layer_names", ()))
+    return {id(m) for container in containers if isinstance(container, nn.Module) for m in container.modules()}
 
 
 def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
@@ -260,13 +256,8 @@ def finish_conversion(model: nn.Module, blocks: list[nn.Module], compressed: dic
 def mebp_state(model: nn.Module) -> MeBPState | None:
     """The :class:`MeBPState` of ``model`` or of a submodule converted by :func:`apply_mebp`, if any."""
     state = getattr(model, STATE_ATTR, None)
-    if state is not None:
-        return state
-    for module in model.modules():
-        state = vars(module).get(STATE_ATTR)
-        if state is not None:
-            return state
-    return None
+    states = (vars(module).get(STATE_ATTR) for module in model.modules())
+    return state if state is not None else next((s for s in states if s is not None), None)
 
 
 def stored_formats(model: nn.Module) -> dict[str, int]:

@@ -47,12 +47,8 @@ def filesystem_type(path: str) -> str | None:
     except OSError:
         return None
     real = os.path.realpath(path)
-    best: tuple[int, str | None] = (-1, None)
-    for mount_point, fs_type in mounts:
-        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) > best[0]:
-            best = (len(mount_point), fs_type)
-    return best[1]
+    holding = [(point, kind) for point, kind in mounts if real == point or real.startswith(point.rstrip("/") + "/")]
+    return max(holding, key=lambda mount: len(mount[0]))[1] if holding else None  # the innermost mount
 
 
 def mmap_supported() -> bool:
