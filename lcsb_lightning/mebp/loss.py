@@ -24,18 +24,18 @@ VOCAB_BLOCK_ELEMENTS = 1 << 20
 def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
     """``(rows, weight[rows], bias[rows])`` over the head's output rows, decompressing if needed."""
     step = max(1, min(VOCAB_BLOCK_ELEMENTS, getattr(head, "max_chunk_elements", MAX_CHUNK_ELEMENTS)) // head.in_features)
-    chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
-    for rows in chunks:
-        if isinstance(head, CompressedLinear):
+    compressed = isinstance(head, CompressedLinear)
+    for start in range(0, head.out_features, step):
+        rows = slice(start, min(start + step, head.out_features))
+        if compressed:
             with head.timed(phase, head.weight.device):
                 weight = head.decompress_rows(rows, dtype)
         else:
             weight = head.weight[rows].to(dtype)
-        bias = head.bias[rows].to(dtype) if head.bias is not None else None
-        yield rows, weight, bias
-        if isinstance(head, CompressedLinear):  # the caller is done with this block
+        yield rows, weight, head.bias[rows].to(dtype) if head.bias is not None else None
+        if compressed:  # the caller is done with this block
             head.give_back(weight)
-    if isinstance(head, CompressedLinear):
+    if compressed:
         head.decompress_count[phase] += 1
 
 

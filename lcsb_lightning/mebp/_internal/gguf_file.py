@@ -100,11 +100,8 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"{self.path!r}: GGUF version {version} is not supported (2 and 3 little-endian are)")
         tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
-        self.fields: dict[str, Any] = {}
         metadata_start = cursor.at
-        for _ in range(kv_count):
-            key = cursor.string()
-            self.fields[key] = cursor.value(cursor.scalar("<I"))
+        self.fields: dict[str, Any] = {cursor.string(): cursor.value(cursor.scalar("<I")) for _ in range(kv_count)}
         #: Byte range of the metadata key-value pairs, as stored (a merged file copies it unchanged).
         self.metadata_span = (metadata_start, cursor.at)
         infos = []
@@ -117,14 +114,10 @@ class GGUFFile:
         self.tensors: list[Tensor] = []
         for name, dims, qtype, offset in infos:
             block_size, type_size = GGML_QUANT_SIZES[qtype]
-            count = int(np.prod(dims)) if dims else 1
-            nbytes = count * type_size // block_size
-            raw = mapped[start + offset : start + offset + nbytes]
-            shape = tuple(reversed(dims))
-            if qtype.name in _ELEMENT_TYPES:
-                data = raw.view(_ELEMENT_TYPES[qtype.name]).reshape(shape)
-            else:
-                data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+            nbytes = (int(np.prod(dims)) if dims else 1) * type_size // block_size
+            raw, shape = mapped[start + offset : start + offset + nbytes], tuple(reversed(dims))
+            data = (raw.view(_ELEMENT_TYPES[qtype.name]).reshape(shape) if qtype.name in _ELEMENT_TYPES
+                    else raw.reshape(quant_shape_to_byte_shape(shape, qtype)))
             self.tensors.append(Tensor(name, qtype, dims, data))
 
     def close(self) -> None:
