@@ -124,7 +124,7 @@ def test_rotary_order_is_what_the_base_file_holds(base_file: tuple[Path, nn.Modu
     base = {t.name: t for t in GGUFFile(path).tensors}
     for gguf_name, hf_name in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
                                ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight")):
-        from lcsb_lightning.export.lora_pairs import rotary_order
+        from lcsb_lightning.mebp._internal.sources import rotary_order
 
         heads = 4 if "attn_q" in gguf_name else 2
         file_weight = gguf.quants.dequantize(base[gguf_name].data, base[gguf_name].tensor_type)

@@ -45,11 +45,6 @@ class GGUFLora:
     pairs: tuple[LoraPair, ...]
 
 
-def rotary_order(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter permutation of Q/K rows: each head's two rotary halves interleaved."""
-    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, nn.Module]:
     """``{base model module name: peft LoRA layer}`` of ``adapter_name`` (names relative to the base model)."""
     from peft.tuners.lora import LoraLayer
@@ -188,15 +183,10 @@ def _check_vocabulary(model: nn.Module, reader: GGUFFile, refusals: list[str]) -
 
 
 def _pairs(layers: dict[str, nn.Module], names: dict[str, str], reader: GGUFFile, adapter_name: str) -> GGUFLora:
-    from lcsb_lightning.mebp._internal.sources import gguf_architecture
+    from lcsb_lightning.mebp._internal.sources import gguf_architecture, rotary_heads, rotary_order
 
     arch = gguf_architecture(reader)
-    heads = reader.get_field(f"{arch}.attention.head_count")
-    kv_heads = reader.get_field(f"{arch}.attention.head_count_kv")
-    # As GGUFSource reads the base: the rows were permuted only for llama files with both head counts.
-    permuted = {}
-    if arch == "llama" and heads is not None and kv_heads is not None:
-        permuted = {".attn_q.": int(heads.contents()), ".attn_k.": int(kv_heads.contents())}
+    permuted = rotary_heads(reader)  # as GGUFSource reads the base
     ranks = {name: int(layer.r[adapter_name]) for name, layer in layers.items()}
     scales = {name: float(layer.scaling[adapter_name]) for name, layer in layers.items()}
     alpha = Counter(scales[n] * ranks[n] for n in layers).most_common(1)[0][0]

@@ -1,9 +1,7 @@
 """MeBP: compressed frozen weights decompressed on the fly, per-block checkpointing, mmap offload.
 
-The public API is what this module exports; the memory internals (formats, buffers, heap, storage,
-offload, timers, block checkpointing) live in :mod:`lcsb_lightning.mebp._internal`.
-``import lcsb_lightning.mebp`` needs neither bitsandbytes nor CUDA; ``fmt="nf4"``/``"fp4"`` import
-bitsandbytes when used.
+The public API is what this module exports (the internals live in ``_internal``); importing it needs neither
+bitsandbytes nor CUDA.
 """
 
 from __future__ import annotations
@@ -20,27 +18,12 @@ from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, mebp_state
 from lcsb_lightning.mebp.loss import chunked_lm_loss, logit_transform
 
 # The plugin imports Lightning and the loader imports transformers/gguf: load them on first use.
-_LAZY = {
-    "QuantizedMeBP": "lcsb_lightning.mebp.plugin",
-    "load_compressed": "lcsb_lightning.mebp.loading",
-    "load_float": "lcsb_lightning.mebp.loading",
-}
+_LAZY = {"QuantizedMeBP": "lcsb_lightning.mebp.plugin", "load_compressed": "lcsb_lightning.mebp.loading",
+         "load_float": "lcsb_lightning.mebp.loading"}
 
-__all__ = [
-    "QuantizedMeBP",
-    "MeBPConfig",
-    "apply_mebp",
-    "load_compressed",
-    "load_float",
-    "chunked_lm_loss",
-    "logit_transform",
-    "mebp_state",
-    "MeBPState",
-    "MeBPStats",
-    "CompressedLinear",
-    "CompressedEmbedding",
-    "FORMATS",
-]
+__all__ = ["QuantizedMeBP", "MeBPConfig", "apply_mebp", "load_compressed", "load_float", "chunked_lm_loss",
+           "logit_transform", "mebp_state", "MeBPState", "MeBPStats", "CompressedLinear", "CompressedEmbedding",
+           "FORMATS"]
 
 
 def __getattr__(name: str) -> Any:

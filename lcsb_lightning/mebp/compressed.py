@@ -1,18 +1,8 @@
 """Compressed frozen ``Linear`` and ``Embedding`` layers that decompress their weight only while they run.
 
-The weight lives as codes (``weight``, uint8), scales and minimums in its stored format (``fmt``,
-a :class:`~lcsb_lightning.mebp._internal.formats.StoredFormat`). A forward call
-decompresses it, multiplies and drops it; the backward pass decompresses it again to form the input
-gradient. Inside a checkpointed block the recompute decompresses once and that copy serves the
-layer's backward (unless ``keep_recomputed_weight`` is False: then the backward decompresses again,
-so that only one layer's float weight exists at a time), so a back-propagated block costs one
-backward decompression per layer and a block skipped by LCSB costs none. Decompressed weights go
-into buffers of the model's :class:`~lcsb_lightning.mebp._internal.workspace.DecompressionWorkspace`. Layers
-wider than ``max_chunk_elements`` are processed in row chunks so that a 150k-row LM head never
-exists decompressed in full.
-
-The compressed buffers are not part of ``state_dict()``: they are re-derived from the source
-weights, so Lightning checkpoints hold only the trainable (LoRA) and other float tensors.
+Inside a checkpointed block the recompute's decompression serves the layer's backward (unless
+``keep_recomputed_weight`` is False), so a block LCSB skips costs no backward decompression. The codes are not
+in ``state_dict()``: they are re-derived from the source weights, so checkpoints hold the float tensors only.
 """
 
 from __future__ import annotations
@@ -99,12 +89,9 @@ class _CompressedLinearFn(torch.autograd.Function):
 
 
 class _CompressedWeight:
-    """Shared plumbing of the compressed layers (buffers ``weight`` = codes and ``scales``).
-
-    ``stats`` (a :class:`MeBPStats`) receives the decompression timings and ``workspace`` (a
-    :class:`DecompressionWorkspace`) lends the decompression buffers; :func:`apply_mebp` sets both to
-    the converted model's own. Without them nothing is timed and every decompression allocates.
-    """
+    """Shared plumbing of the compressed layers: buffers ``weight`` (the codes), ``scales`` and ``mins``;
+    ``stats`` and ``workspace`` are the converted model's (without them nothing is timed and every
+    decompression allocates), ``weight_store`` its memory-mapped weights if any."""
 
     fmt: StoredFormat
     group_size: int
@@ -118,13 +105,11 @@ class _CompressedWeight:
     keep_recomputed_weight: bool
 
     def _store(self, packed: Packed, fmt: str | StoredFormat, group_size: int) -> None:
-        """Keep the codes, scales (and minimums) as non-persistent buffers (rebuilt from the source weights)."""
         assert isinstance(self, nn.Module)
         self.fmt = get_format(fmt)
         self.group_size = group_size
-        self.register_buffer("weight", packed.codes, persistent=False)
-        self.register_buffer("scales", packed.scales, persistent=False)
-        self.register_buffer("mins", packed.mins, persistent=False)
+        for name, tensor in (("weight", packed.codes), ("scales", packed.scales), ("mins", packed.mins)):
+            self.register_buffer(name, tensor, persistent=False)
         self.decompress_count = {"forward": 0, "backward": 0}
         self.stats = None
         self.workspace = None
@@ -180,10 +165,9 @@ class _CompressedWeight:
 
 
 class CompressedLinear(_CompressedWeight, nn.Linear):
-    """A frozen ``nn.Linear`` stored in 4 bits (also usable as peft LoRA's ``base_layer``).
-
-    It subclasses ``nn.Linear`` so that peft wraps it like any Linear; its ``weight`` is the uint8
-    code tensor (as for bitsandbytes' ``Linear4bit``), so peft keeps LoRA weights in float.
+    """A frozen ``nn.Linear`` stored compressed; peft wraps it like any Linear, and its ``weight`` is the uint8
+    code tensor (as for bitsandbytes' ``Linear4bit``), so peft keeps LoRA weights in float. Layers wider than
+    ``max_chunk_elements`` decompress in row chunks (a 150k-row LM head never exists in float).
 
     Example::
 
@@ -192,16 +176,8 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         torch.Size([2, 8])
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        packed: Packed,
-        bias: torch.Tensor | None,
-        fmt: str | StoredFormat,
-        group_size: int,
-        max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, packed: Packed, bias: torch.Tensor | None,
+                 fmt: str | StoredFormat, group_size: int, max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> None:
         nn.Module.__init__(self)
         self.in_features = in_features
         self.out_features = out_features
@@ -233,7 +209,7 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
 
 
 class CompressedEmbedding(_CompressedWeight, nn.Module):
-    """A frozen ``nn.Embedding`` stored in 4 bits; a lookup decompresses only the looked-up rows.
+    """A frozen ``nn.Embedding`` stored compressed; a lookup decompresses only the looked-up rows.
 
     Example::
 
@@ -242,25 +218,16 @@ class CompressedEmbedding(_CompressedWeight, nn.Module):
         torch.Size([1, 2, 64])
     """
 
-    def __init__(
-        self,
-        packed: Packed,
-        fmt: str | StoredFormat,
-        group_size: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        embed_scale: torch.Tensor | float | None = None,
-    ) -> None:
+    def __init__(self, packed: Packed, fmt: str | StoredFormat, group_size: int, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32, embed_scale: torch.Tensor | float | None = None) -> None:
         super().__init__()
         self.dtype = dtype
         self.num_embeddings = packed.codes.shape[0]
         self.embedding_dim = get_format(fmt).columns(packed)
         self.padding_idx = padding_idx
         self._store(packed, fmt, group_size)
-        if embed_scale is not None:  # Hugging Face's scaled word embeddings (Gemma 3, ...)
-            self.register_buffer("embed_scale", torch.as_tensor(embed_scale).detach().clone(), persistent=False)
-        else:
-            self.embed_scale = None
+        scale = None if embed_scale is None else torch.as_tensor(embed_scale).detach().clone()  # Gemma 3's, ...
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     @classmethod
     def from_embedding(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Optional, get_args
+from typing import Any, Iterable, Literal, Mapping, Optional, get_args, get_origin, get_type_hints
 
 from lcsb_lightning.mebp._internal.formats import AUTO_GROUP_SIZE, validate_format
 from lcsb_lightning.mebp._internal.storage import mmap_supported
@@ -15,15 +15,8 @@ from lcsb_lightning.mebp._internal.storage import mmap_supported
 Format = Literal["auto", "int4", "int4_asym", "nf4", "fp4"]
 Offload = Literal["none", "mmap"]
 WeightStorage = Literal["auto", "mmap", "ram"]
-#: Where saved activations of a back-propagated block go: RAM, or memory-mapped files.
 OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
-#: Where the compressed weights live: decided when the training device is known (``auto``), memory-mapped
-#: files, or process memory.
 WEIGHT_STORAGE: tuple[str, ...] = get_args(WeightStorage)
-
-
-def _choices(values: tuple[str, ...]) -> str:
-    return ", ".join(map(repr, values))
 
 
 @dataclass(frozen=True)
@@ -33,65 +26,42 @@ class MeBPConfig:
 
     The fields are the keys of the ``mebp`` Hydra group (``conf/mebp/int4.yaml``). Each function that
     takes a config also takes the fields as keyword arguments: alone they build a config, beside a
-    config they override its fields (``dataclasses.replace``).
+    config they override its fields (``dataclasses.replace``). docs/mebp.md says what each costs and saves.
 
     Args:
-        fmt: ``"auto"`` (the default): a GGUF file's own blocks kept as they are wherever a stored format
-            holds them (:func:`~lcsb_lightning.mebp.load_compressed`; Q4_0-Q8_0 and Q2_K-Q6_K), float
-            weights in ``"int4_asym"``; ``"int4"`` (MeBP's) or ``"int4_asym"`` (a scale and a minimum per
-            group; both plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
-        group_size: Weights per scale of the weights quantized here (32 by default: ``int4_asym`` at 32 is
-            the lowest error measured at 5 bits a weight); must divide their layers' input features (for
-            ``nf4``/``fp4`` a bitsandbytes block size: 32, 64, ..., 4096). GGUF blocks kept as they are
-            keep their own.
+        fmt: ``"auto"`` (the default): a GGUF file's own blocks kept as they are where a stored format holds
+            them (Q4_0-Q8_0, Q2_K-Q6_K), float weights in ``"int4_asym"``; ``"int4"`` (MeBP's), ``"int4_asym"``
+            (a scale and a minimum per group; both plain torch), ``"nf4"`` or ``"fp4"`` (bitsandbytes).
+        group_size: Weights per scale of the weights quantized here (32: ``int4_asym`` at 32 is the lowest
+            error measured at 5 bits a weight); must divide their layers' input features (``nf4``/``fp4``:
+            32, 64, ..., 4096). GGUF blocks kept as they are keep their own.
         checkpoint: Per-block non-reentrant gradient checkpointing.
         offload: ``"none"`` or ``"mmap"`` (a back-propagated block's saved tensors in memory-mapped files).
         compress_embeddings: Also compress the input embedding and LM head.
         ignore_modules: Modules to keep as is, each matched as whole dotted parts of the qualified
             name: ``"lm_head"``, ``"down_proj"`` or ``"model.layers.0"`` (everything under it).
-        weights: ``"mmap"`` writes the compressed weights to memory-mapped files and drops each
-            layer's pages from the process after it ran, as MeBP reads them from flash (CPU,
-            Linux/macOS); ``"ram"`` keeps them in process memory. ``"auto"`` (the default) decides
-            when the training device is known: memory-mapped for a model that trains on the CPU, where
-            ``madvise`` exists and ``offload_dir`` (or the system temp dir) is not on a RAM file system
-            (tmpfs), else in RAM. ``QuantizedMeBP`` decides at fit start, after Lightning moved the
-            model; ``apply_mebp`` and ``load_compressed`` map CPU weights right away only on a machine
-            without an accelerator Lightning would pick (CUDA, MPS, XLA). Weights that leave the CPU
-            drop their mappings.
+        weights: ``"mmap"``: the compressed weights in memory-mapped files, each layer's pages dropped after
+            it ran (CPU, Linux/macOS); ``"ram"``: in process memory; ``"auto"``: memory-mapped for a model that
+            trains on the CPU where ``madvise`` exists and ``offload_dir`` is not on tmpfs, decided at fit
+            start (at conversion on a machine without an accelerator Lightning would pick).
         keep_recomputed_weights: With ``checkpoint``, keep each Linear's weight decompressed by the
-            backward recompute until that Linear's backward (one backward decompression per layer,
-            every Linear of the block decompressed at once). ``False`` decompresses it again there
-            instead: the same gradients, bit for bit, with at most one layer's float weight alive at
-            a time (one decompression buffer serves every layer), for one more decompression per layer.
-        release_heap: On CPU, return freed heap memory to the OS before and after each block's forward
-            and before its recompute, once the resident set grew by 16 MiB since the last time (before the
-            step's first recompute whatever the growth), at most
-            ``heap.MAX_TRIMS_PER_PASS`` times per forward pass (glibc ``malloc_trim``; a no-op with
-            another allocator): the resident set stays flat instead of growing from step to step, for
-            page faults that lengthen the step (docs/mebp.md).
-        map_large_allocations: Off by default: it changes malloc for the **whole process, for good**.
-            On glibc it fixes the mmap threshold at 256 KiB (``mallopt(M_MMAP_THRESHOLD)``, which also
-            turns off glibc's adaptive threshold; nothing can turn it back on), so that an allocation
-            of 256 KiB and more that the heap's free space cannot serve gets pages of its own, returned
-            to the OS when freed: freed activations do not stay resident, for page faults at every
-            such allocation (a lower peak, a slower step: docs/mebp.md). It acts from the conversion
-            on (set it where the model is loaded, before the heap has grown) and is warned about
-            where it has no effect (not glibc, or another allocator preloaded).
-        free_grads_after_step: Off by default: it changes what Lightning users observe. Set the
-            gradients to ``None`` right after each optimizer step in automatic optimization, instead
-            of where Lightning zeroes them (after the next ``training_step``), so that they are not
-            held through the next forward. ``on_before_zero_grad``, ``on_train_batch_end`` and
-            anything after the step then see no gradient, and an ``optimizer_zero_grad`` override
-            does not decide how they are freed. Manual optimization is left alone.
+            recompute until its backward; ``False`` decompresses it again there (the same gradients, at most
+            one layer's float weight alive at a time, one more decompression per layer).
+        release_heap: On CPU, return freed heap memory to the OS around each block's forward and before its
+            recompute once the resident set grew by 16 MiB (glibc ``malloc_trim``): a flat resident set, for
+            page faults that lengthen the step.
+        map_large_allocations: Changes malloc for the **whole process, for good** (glibc
+            ``mallopt(M_MMAP_THRESHOLD)`` at 256 KiB): a lower peak, a slower step. Acts from the conversion
+            on; warned where it has no effect.
+        free_grads_after_step: Set the gradients to ``None`` right after each optimizer step (automatic
+            optimization): hooks after the step (``on_before_zero_grad``, ``on_train_batch_end``) see none.
         offload_dir: Parent of the temporary offload and weight directories (default: the system temp dir).
-        sync_timing: Synchronise the device before and after every timed decompression, recompute and
-            backward (exact wall times, but a stall per layer on a GPU). By default CUDA work is timed
-            with CUDA events read when the figures are logged, and CPU work with the wall clock.
+        sync_timing: Synchronise the device around every timed region (exact wall times, a stall per layer
+            on a GPU); by default CUDA work is timed with CUDA events.
 
     Raises:
         ValueError: an unknown ``fmt``, ``offload`` or ``weights``, an unsupported ``group_size``, or
-            ``weights="mmap"`` where ``madvise`` is missing (checked as the config is built, without
-            logging anything).
+            ``weights="mmap"`` where ``madvise`` is missing.
         TypeError: a flag that is not a bool, ``ignore_modules`` that is not a collection of names.
         ModuleNotFoundError: ``fmt`` needs bitsandbytes and it is missing.
 
@@ -120,14 +90,13 @@ class MeBPConfig:
 
     def __post_init__(self) -> None:
         validate_format(self.fmt, self.group_size)
-        for name in ("checkpoint", "keep_recomputed_weights", "release_heap", "map_large_allocations",
-                     "free_grads_after_step", "compress_embeddings", "sync_timing"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"`offload={self.offload!r}` is not supported; choose one of {_choices(OFFLOAD_MODES)}.")
-        if self.weights not in WEIGHT_STORAGE:
-            raise ValueError(f"`weights={self.weights!r}` is not supported; choose one of {_choices(WEIGHT_STORAGE)}.")
+        for name, kind in get_type_hints(MeBPConfig).items():
+            value = getattr(self, name)
+            if kind is bool and not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
+            if get_origin(kind) is Literal and value not in get_args(kind):
+                choices = ", ".join(map(repr, get_args(kind)))
+                raise ValueError(f"`{name}={value!r}` is not supported; choose one of {choices}.")
         if self.weights == "mmap" and not mmap_supported():
             raise ValueError("`weights='mmap'` needs madvise (Linux or macOS); use `weights='ram'` here.")
         names: Any = self.ignore_modules
@@ -160,16 +129,13 @@ DEFAULT_CONFIG = MeBPConfig()
 def build_config(config: MeBPConfig | None, options: Mapping[str, Any], caller: str = "MeBPConfig") -> MeBPConfig:
     """``config`` with ``options`` (keyword arguments named like its fields) applied; a new one without it."""
     if config is not None and not isinstance(config, MeBPConfig):
-        raise TypeError(
-            f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the options "
-            "(fmt=..., group_size=...) by keyword."
-        )
+        raise TypeError(f"{caller}: `config` must be a MeBPConfig or None, got {type(config).__name__}; pass the "
+                        "options (fmt=..., group_size=...) by keyword.")
     fields = tuple(field.name for field in dataclasses.fields(MeBPConfig))
     unknown = [name for name in options if name not in fields]
     if unknown:
-        raise TypeError(
-            f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are {', '.join(fields)}."
-        )
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the MeBPConfig fields are "
+                        f"{', '.join(fields)}.")
     if config is None:
         return MeBPConfig(**options)
     return dataclasses.replace(config, **options) if options else config

@@ -28,14 +28,8 @@ STATE_ATTR = "_mebp_state"
 
 @dataclass
 class MeBPState:
-    """What :func:`apply_mebp` installed on a model (``model._mebp_state``).
-
-    Attributes:
-        config: The options the model was converted with.
-        blocks: The blocks that got QuantizedMeBP's checkpoint wrapper.
-        compressed_modules: Each compressed Linear/Embedding by qualified name.
-        source: The file :func:`~lcsb_lightning.mebp.load_compressed` read the weights from, if any.
-    """
+    """What :func:`apply_mebp` installed on a model (``model._mebp_state``): its ``config``, its ``blocks``,
+    each compressed module by qualified name, and the ``source`` file :func:`load_compressed` read, if any."""
 
     config: MeBPConfig
     blocks: list[nn.Module]
@@ -44,7 +38,7 @@ class MeBPState:
     weight_store: MappedWeights | None = None
     stats: MeBPStats = field(default_factory=MeBPStats)
     workspace: DecompressionWorkspace = field(default_factory=DecompressionWorkspace)
-    source: str | None = None  # the file load_compressed read (None: converted in memory, or a random init)
+    source: str | None = None
 
     def close(self) -> None:
         """Remove the offload and weight directories (the compressed layers stay usable)."""
@@ -61,13 +55,9 @@ def _ignored(name: str, ignore_modules: Iterable[str]) -> bool:
 
 def _adapter_module_ids(model: nn.Module) -> set[int]:
     """Modules inside peft adapter containers (LoRA A/B): never compressed."""
-    excluded: set[int] = set()
-    for module in model.modules():
-        for attr in getattr(module, "adapter_layer_names", ()):
-            container = getattr(module, attr, None)
-            if isinstance(container, nn.Module):
-                excluded.update(id(m) for m in container.modules())
-    return excluded
+    containers = (getattr(module, attr, None) for module in model.modules()
+                  for attr in getattr(module, "adapter_layer_names", ()))
+    return {id(m) for container in containers if isinstance(container, nn.Module) for m in container.modules()}
 
 
 def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
@@ -84,9 +74,8 @@ def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
 
 def _is_scaled_embedding(module: nn.Module) -> bool:
     """Hugging Face's ``*ScaledWordEmbedding`` (Gemma 3, Bart, ...): a lookup times ``embed_scale``."""
-    return isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding") and hasattr(
-        module, "embed_scale"
-    )
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and hasattr(module, "embed_scale"))
 
 
 def _same_computation(module: nn.Module) -> bool:
@@ -105,14 +94,8 @@ def _candidates(model: nn.Module, blocks: list[nn.Module], compress_embeddings: 
 
 
 def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) -> dict[str, nn.Module]:
-    """Qualified names of the modules to compress (their group sizes: :func:`check_group_sizes`).
-
-    A candidate (any ``nn.Linear`` in a block, subclasses included; with ``compress_embeddings`` the
-    input embedding and LM head) is compressed unless it is a peft adapter (LoRA A/B), already
-    quantized (a non-float weight: bitsandbytes' ``Linear4bit``, a ``CompressedLinear``), a subclass
-    whose ``forward`` computes something else (warned), named in ``ignore_modules``, or trainable in
-    a model set up for fine-tuning (see :func:`apply_mebp`; warned).
-    """
+    """The modules to compress by qualified name: the candidates :func:`apply_mebp` describes, less the ones
+    it never compresses (warned where the user may not expect it)."""
     ignore_modules = config.ignore_modules
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     excluded = _adapter_module_ids(model)
@@ -136,20 +119,13 @@ def find_targets(model: nn.Module, blocks: list[nn.Module], config: MeBPConfig) 
         else:
             targets[name] = module
     if different:
-        warnings.warn(
-            f"QuantizedMeBP left {len(different)} module(s) uncompressed whose class overrides `forward`: "
-            f"{', '.join(different)}; add them to `ignore_modules` to silence this.",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"QuantizedMeBP left {len(different)} module(s) uncompressed whose class overrides `forward`: "
+                      f"{', '.join(different)}; add them to `ignore_modules` to silence this.", UserWarning,
+                      stacklevel=3)
     if trainable:
-        warnings.warn(
-            f"QuantizedMeBP left {len(trainable)} trainable module(s) uncompressed (their weight has "
-            f"requires_grad=True while other parameters are frozen): {', '.join(trainable)}. Freeze them "
-            "before conversion to compress them.",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"QuantizedMeBP left {len(trainable)} trainable module(s) uncompressed (their weight has "
+                      f"requires_grad=True while other parameters are frozen): {', '.join(trainable)}. Freeze them "
+                      "before conversion to compress them.", UserWarning, stacklevel=3)
     return targets
 
 
@@ -158,25 +134,24 @@ def check_group_sizes(targets: dict[str, nn.Module], group_sizes: dict[str, int]
     for name, module in targets.items():
         width, group_size = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim, group_sizes[name]
         if width % group_size:
-            raise ValueError(
-                f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
-                f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to `ignore_modules`."
-            )
+            raise ValueError(f"`group_size={group_size}` does not divide the {width} input features of `{name}` "
+                             f"({type(module).__name__}); pick a divisor of {width} or add `{name!r}` to "
+                             "`ignore_modules`.")
 
 
-def compressed_twin(module: nn.Module, packed: Packed, fmt: StoredFormat, group_size: int, dtype: torch.dtype) -> nn.Module:
-    """The compressed replacement of a target ``module`` holding ``packed`` (its bias and embedding
-    scale, if any, must already be real tensors)."""
+def install_twin(model: nn.Module, name: str, packed: Packed, fmt: StoredFormat, group_size: int,
+                 dtype: torch.dtype) -> nn.Module:
+    """Replace target ``name`` of ``model`` by its compressed twin holding ``packed`` (its bias and scale must be
+    real tensors); returns the twin."""
+    module = model.get_submodule(name)
     if isinstance(module, nn.Embedding):
         scale = getattr(module, "embed_scale", None) if _is_scaled_embedding(module) else None
-        return CompressedEmbedding(packed, fmt, group_size, module.padding_idx, dtype, embed_scale=scale)
-    return CompressedLinear(module.in_features, module.out_features, packed, module.bias, fmt, group_size)
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+        new: nn.Module = CompressedEmbedding(packed, fmt, group_size, module.padding_idx, dtype, embed_scale=scale)
+    else:
+        new = CompressedLinear(module.in_features, module.out_features, packed, module.bias, fmt, group_size)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return new
 
 
 def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, group_size: int) -> dict[str, nn.Module]:
@@ -187,18 +162,11 @@ def compress_modules(model: nn.Module, targets: dict[str, nn.Module], fmt: str, 
     # One buffer for all codes and scales (StoredFormat.allocate), on the weights' device.
     shapes = [tuple(w.shape) for w in unique.values()]
     slots = stored.allocate(shapes, group_size, devices.pop()) if len(devices) == 1 else None
-    shared = {
-        key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
-        for i, (key, weight) in enumerate(unique.items())
-    }
-    done: dict[str, nn.Module] = {}
-    for name, module in targets.items():
-        key = id(module.weight)
-        dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
-        new = compressed_twin(module, shared[key], stored, group_size, dtype)
-        _set_module(model, name, new)
-        done[name] = new
-    return done
+    shared = {key: stored.quantize(weight, group_size, out=slots[i] if slots is not None else None)
+              for i, (key, weight) in enumerate(unique.items())}
+    return {name: install_twin(model, name, shared[id(m.weight)], stored, group_size,
+                               m.weight.dtype if m.weight.is_floating_point() else torch.float32)
+            for name, m in targets.items()}
 
 
 def apply_mebp(
@@ -206,18 +174,13 @@ def apply_mebp(
 ) -> nn.Module:
     """Convert ``model`` in place to MeBP training form and return it.
 
-    Every ``nn.Linear`` inside the transformer blocks (found by ``isinstance``) and, with
-    ``compress_embeddings``, the input embedding (Gemma's scaled one included) and LM head (tied or
-    not) become 4-bit frozen layers that decompress their weight only while they run. With
-    ``checkpoint`` each block is recomputed in backward; ``offload="mmap"`` writes the blocks' saved
-    tensors to memory-mapped files.
-
-    Never compressed: peft adapters (LoRA A/B), already quantized layers (bitsandbytes'
-    ``Linear4bit``), subclasses that override ``forward`` (warned) and **trainable weights**: in a model
-    set up for fine-tuning (some parameters frozen, as after ``get_peft_model``) a Linear whose weight
-    has ``requires_grad=True`` stays as it is and trainable (warned once, with the names). A model
-    whose parameters are all trainable (straight from ``from_pretrained``) is not set up yet: all of
-    its candidates are compressed, which freezes them, as ``BitsAndBytesConfig(load_in_4bit=True)``
+    Every ``nn.Linear`` inside the transformer blocks (by ``isinstance``) and, with ``compress_embeddings``,
+    the input embedding (Gemma's scaled one included) and LM head (tied or not) become frozen compressed
+    layers that decompress their weight only while they run; ``checkpoint`` and ``offload`` are installed
+    on the blocks. Never compressed: peft adapters, already quantized layers, subclasses that override
+    ``forward`` (warned), ``ignore_modules``, and trainable weights of a model set up for fine-tuning (some
+    parameters frozen; warned). A model whose parameters are all trainable (straight from
+    ``from_pretrained``) is compressed whole, which freezes it, as ``BitsAndBytesConfig(load_in_4bit=True)``
     does.
 
     Args:
@@ -251,11 +214,9 @@ def apply_mebp(
     targets = find_targets(model, found, config)
     check_group_sizes(targets, dict.fromkeys(targets, config.group_size))
     if not targets:
-        raise TypeError(
-            f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
-            f"{type(unwrap_model(model)).__name__} (after `ignore_modules={config.ignore_modules!r}`; "
-            "trainable and already quantized layers are never compressed)."
-        )
+        raise TypeError(f"apply_mebp found no `nn.Linear` to compress in the {len(found)} blocks of "
+                        f"{type(unwrap_model(model)).__name__} (after `ignore_modules={config.ignore_modules!r}`; "
+                        "trainable and already quantized layers are never compressed).")
     compressed = compress_modules(model, targets, config.fmt, config.group_size)
     device = next(iter(compressed.values())).weight.device
     store = MappedWeights(config.offload_dir) if maps_at_conversion(config.weights, device, config.offload_dir) else None
@@ -274,15 +235,10 @@ def map_compressed(compressed: dict[str, nn.Module], store: MappedWeights) -> No
         module.weight, module.scales, module.mins = mapped[key].codes, mapped[key].scales, mapped[key].mins
 
 
-def finish_conversion(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    compressed: dict[str, nn.Module],
-    config: MeBPConfig,
-    weight_store: MappedWeights | None = None,
-) -> nn.Module:
+def finish_conversion(model: nn.Module, blocks: list[nn.Module], compressed: dict[str, nn.Module], config: MeBPConfig,
+                      weight_store: MappedWeights | None = None, source: str | None = None) -> nn.Module:
     """Install checkpointing/offload on the blocks of an already compressed model and record the state."""
-    state = MeBPState(config, blocks, compressed, weight_store=weight_store)
+    state = MeBPState(config, blocks, compressed, weight_store=weight_store, source=source)
     state.stats.sync_timing = config.sync_timing
     for module in compressed.values():
         module.stats, module.workspace = state.stats, state.workspace  # type: ignore[union-attr]
@@ -300,13 +256,8 @@ def finish_conversion(
 def mebp_state(model: nn.Module) -> MeBPState | None:
     """The :class:`MeBPState` of ``model`` or of a submodule converted by :func:`apply_mebp`, if any."""
     state = getattr(model, STATE_ATTR, None)
-    if state is not None:
-        return state
-    for module in model.modules():
-        state = vars(module).get(STATE_ATTR)
-        if state is not None:
-            return state
-    return None
+    states = (vars(module).get(STATE_ATTR) for module in model.modules())
+    return state if state is not None else next((s for s in states if s is not None), None)
 
 
 def stored_formats(model: nn.Module) -> dict[str, int]:

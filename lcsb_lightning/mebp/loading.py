@@ -1,15 +1,7 @@
-"""``load_compressed``: build a model directly in MeBP's compressed form, one tensor at a time.
+"""``load_compressed``: build a model directly in MeBP's compressed form, one tensor at a time, on a meta skeleton.
 
-The model skeleton is created on the meta device; then every module to compress is built straight
-from its source weight (quantized in row chunks, so not even the 150k-row embedding exists in float
-at once), and the remaining small float parameters (norms, biases, ignored modules) are loaded.
-
-What is bounded: besides the compressed model and the float parameters kept in float, loading holds
-one float32 row chunk of at most ``LOAD_CHUNK_ELEMENTS`` weights (16 MiB) and its quantized parts,
-plus what the source needs to produce that chunk. A GGUF file is memory-mapped: the packed bytes of
-the tensor being read are file-backed pages (at most one tensor's packed size), and the heap holds
-the chunk plus one ``gguf`` dequantize call on at most ``sources.DEQUANTIZE_ELEMENTS`` weights
-(the file's parsed metadata, such as the tokenizer, stays open until the model is built).
+Besides the compressed model and its float parameters, loading holds one float32 row chunk of at most
+``LOAD_CHUNK_ELEMENTS`` weights and what the source needs to produce it (sources.py).
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from torch import nn
 
 from lcsb_lightning.blocks import find_blocks
 from lcsb_lightning.mebp.config import MeBPConfig, build_config
-from lcsb_lightning.mebp.convert import check_group_sizes, compressed_twin, finish_conversion, find_targets, mebp_state
+from lcsb_lightning.mebp.convert import check_group_sizes, finish_conversion, find_targets, install_twin
 from lcsb_lightning.mebp._internal.formats import get_format
 from lcsb_lightning.mebp._internal.stored import Packed, StoredFormat, select_rows
 from lcsb_lightning.mebp._internal.heap import map_large_allocations, trim_heap
@@ -45,8 +37,8 @@ Source = Union[str, os.PathLike, Any]  # a folder, a .gguf path, or a transforme
 
 
 def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
-    """The model with every parameter on the meta device and every buffer real (rotary ``inv_freq``,
-    Gemma's ``embed_scale``: small, computed in ``__init__`` and in no checkpoint)."""
+    """The model with every parameter on the meta device and every buffer real (rotary ``inv_freq``, Gemma's
+    ``embed_scale``: computed in ``__init__``)."""
     from accelerate import init_empty_weights  # a dependency of peft
     from transformers import AutoModelForCausalLM
 
@@ -76,8 +68,8 @@ def _target_format(source: WeightSource, name: str, config: MeBPConfig) -> _Targ
 
 def _packed(source: WeightSource, name: str, shape: torch.Size, target: _Target, slot: Packed | None,
             error: list[float] | None = None) -> Packed:
-    """The compressed tensor, written in place (into ``slot`` if given) one row chunk at a time; with
-    ``error``, the squared round-trip error and squared norm of the float rows are added to it."""
+    """The compressed tensor, written into ``slot`` (if given) one row chunk at a time; ``error`` adds up the
+    squared round-trip error and the squared norm of the float rows."""
     rows, cols = shape
     if slot is None:
         (slot,) = target.fmt.allocate([(rows, cols)], target.group_size)
@@ -102,10 +94,8 @@ def _allocate(shapes: dict[int, tuple[int, int]], targets: dict[int, _Target]) -
     by_format: dict[_Target, list[int]] = defaultdict(list)
     for key, target in targets.items():
         by_format[target].append(key)
-    slots: dict[int, Packed] = {}
-    for target, keys in by_format.items():
-        slots.update(zip(keys, target.fmt.allocate([shapes[k] for k in keys], target.group_size)))
-    return slots
+    return {key: slot for target, keys in by_format.items()
+            for key, slot in zip(keys, target.fmt.allocate([shapes[k] for k in keys], target.group_size))}
 
 
 def _describe(targets: dict[int, _Target], source_types: dict[int, str]) -> str:
@@ -120,43 +110,38 @@ def _float_param(source: WeightSource, name: str, param: torch.Tensor, dtype: to
     return nn.Parameter(data.to(dtype), requires_grad=param.requires_grad)
 
 
-def _resolve(source: Source, gguf_file: str | None, model_config: Any = None) -> tuple[Any, str, str | None, GGUFReader | None]:
-    """``(config, kind, path, reader)``: kind is ``"random"``, ``"safetensors"`` or ``"gguf"``; reader is
-    the open :class:`GGUFFile` of a GGUF file (its architecture checked before the config is parsed),
-    else ``None``. ``model_config`` (a ``PretrainedConfig``) spares parsing it from the file: transformers
-    reads a GGUF's whole metadata for it, its tokenizer included (seconds, and 150 MB for SmolLM2's)."""
+def _open(source: Source, gguf_file: str | None, model_config: Any, dtype: torch.dtype,
+          seed: int) -> tuple[nn.Module, WeightSource, str | None, GGUFReader | None]:
+    """``(meta model, its weight source, path, the open GGUF file or None)``; a GGUF's architecture is checked
+    before transformers parses its config."""
     from transformers import AutoConfig, PretrainedConfig
 
+    path, reader = None, None
     if isinstance(source, PretrainedConfig):
-        return source, "random", None, None
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(
-            f"`source` must be a checkpoint folder, a .gguf file or a transformers config, got {type(source).__name__}."
-        )
-    path = os.fspath(source)
-    if gguf_file is not None:
-        path = os.path.join(path, gguf_file)
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
-        reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
-        folder, name = os.path.split(os.path.abspath(path))
-        return model_config or AutoConfig.from_pretrained(folder, gguf_file=name), "gguf", path, reader
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
-    return model_config or AutoConfig.from_pretrained(path), "safetensors", path, None
-
-
-def _weight_source(model: nn.Module, model_config: Any, kind: str, path: str | None, reader: GGUFReader | None,
-                   seed: int) -> WeightSource:
-    if kind == "random":
-        return RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed)
-    if kind == "safetensors":
-        assert path is not None
-        names = {id(p): n for n, p in model.named_parameters()}
-        tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
-        return SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}})
-    return GGUFSource(reader, model)  # maps names, checks tensor types and shapes
+        model_config = source
+    elif not isinstance(source, (str, os.PathLike)):
+        raise TypeError("`source` must be a checkpoint folder, a .gguf file or a transformers config, got "
+                        f"{type(source).__name__}.")
+    else:
+        path = os.path.join(os.fspath(source), gguf_file) if gguf_file is not None else os.fspath(source)
+        if path.endswith(".gguf"):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
+            reader = open_gguf(path)  # fails on an unsupported architecture, before any other work
+            folder, name = os.path.split(os.path.abspath(path))
+            model_config = model_config or AutoConfig.from_pretrained(folder, gguf_file=name)
+        elif not os.path.isdir(path):
+            raise FileNotFoundError(f"`source={path!r}` is neither a checkpoint folder nor a .gguf file.")
+        else:
+            model_config = model_config or AutoConfig.from_pretrained(path)
+    model = _meta_model(model_config, dtype)
+    if reader is not None:
+        return model, GGUFSource(reader, model), path, reader  # maps names, checks tensor types and shapes
+    if path is None:
+        return model, RandomSource(std=getattr(model_config, "initializer_range", 0.02), seed=seed), None, None
+    names = {id(p): n for n, p in model.named_parameters()}
+    tied = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n != names[id(p)]}
+    return model, SafetensorsSource(path, aliases={**tied, **{v: k for k, v in tied.items()}}), path, None
 
 
 def _load_float_params(model: nn.Module, source: WeightSource, names: dict[int, str], dtype: torch.dtype) -> None:
@@ -170,19 +155,11 @@ def _load_float_params(model: nn.Module, source: WeightSource, names: dict[int, 
                 module._parameters[pname] = loaded[id(param)]
 
 
-def load_float(
-    source: Source,
-    *,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    model_config: Any = None,
-) -> nn.Module:
-    """Load a causal LM in float, one tensor at a time, from the sources :func:`load_compressed` reads.
-
-    A GGUF file is dequantized tensor by tensor straight into the model's parameters (equal to
-    transformers' ``from_pretrained(..., gguf_file=...)``), with no float copy on disk and no second
-    copy in memory. Arguments as in :func:`load_compressed`. Returns the model in eval mode.
+def load_float(source: Source, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+               model_config: Any = None) -> nn.Module:
+    """Load a causal LM in float, one tensor at a time, from the sources :func:`load_compressed` reads
+    (a GGUF equal to transformers' ``from_pretrained(..., gguf_file=...)``, with no second copy in memory).
+    Arguments as in :func:`load_compressed`. Returns the model in eval mode.
 
     Example::
 
@@ -192,42 +169,31 @@ def load_float(
         >>> load_float(config).model.embed_tokens.weight.dtype
         torch.float32
     """
-    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
-    model = _meta_model(model_config, dtype)
-    names = {id(p): n for n, p in model.named_parameters()}
-    _load_float_params(model, _weight_source(model, model_config, kind, path, reader, seed), names, dtype)
+    model, weight_source, _, reader = _open(source, gguf_file, model_config, dtype, seed)
+    _load_float_params(model, weight_source, {id(p): n for n, p in model.named_parameters()}, dtype)
     if reader is not None:
         reader.close()
     trim_heap()
     return model
 
 
-def load_compressed(
-    source: Source,
-    config: MeBPConfig | None = None,
-    *,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    model_config: Any = None,
-    **options: Any,
-) -> nn.Module:
+def load_compressed(source: Source, config: MeBPConfig | None = None, *, gguf_file: str | None = None,
+                    dtype: torch.dtype = torch.float32, seed: int = 0, model_config: Any = None,
+                    **options: Any) -> nn.Module:
     """Load a causal LM straight into compressed form, ready for LoRA and ``QuantizedMeBP``.
 
     Args:
         source: A Hugging Face checkpoint folder (safetensors), a ``.gguf`` file (or its folder with
             ``gguf_file``), or a ``PretrainedConfig`` for a random init (memory and speed studies).
         config: The options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without one). With
-            ``weights="mmap"`` each tensor goes to its file as soon as it is compressed, so the
-            compressed model never is resident as a whole, not even while loading. With
-            ``fmt="auto"`` a GGUF's Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 tensors keep their blocks as they are
-            (no float copy, no second quantization: dequantized bit for bit as ``gguf`` does); other
-            tensors are quantized to ``int4_asym``.
+            ``weights="mmap"`` each tensor goes to its file as soon as it is compressed. With ``fmt="auto"``
+            a GGUF's tensors keep their blocks where a stored format holds them (Q4_0-Q8_0, Q2_K-Q6_K);
+            other quantized ones are quantized again (warned, with the error).
         gguf_file: File name of the GGUF inside the ``source`` folder.
         dtype: Dtype of the float parameters that stay uncompressed (norms, biases).
         seed: Seed of the random init.
-        model_config: The model's transformers config, where ``source`` is a file or folder (read from
-            it when None; a GGUF's costs transformers a parse of its whole metadata).
+        model_config: The model's transformers config, where ``source`` is a file or folder (None: read from
+            it; for a GGUF transformers parses its whole metadata, seconds and 150 MB for SmolLM2's).
         **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields, as in :func:`~lcsb_lightning.mebp.apply_mebp`.
 
     Returns:
@@ -246,12 +212,9 @@ def load_compressed(
     config = build_config(config, options, "load_compressed")
     if config.map_large_allocations:  # before the loading's chunks: the heap must not hold them to serve later
         map_large_allocations()
-    model_config, kind, path, reader = _resolve(source, gguf_file, model_config)
-    model = _meta_model(model_config, dtype)
-    found = find_blocks(model)
-    targets = find_targets(model, found, config)
+    model, weight_source, path, reader = _open(source, gguf_file, model_config, dtype, seed)
+    targets = find_targets(model, find_blocks(model), config)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied weight keeps its first name
-    weight_source = _weight_source(model, model_config, kind, path, reader, seed)
     unique = {id(m.weight): tuple(m.weight.shape) for m in targets.values()}
     formats = {key: _target_format(weight_source, names[key], config) for key in unique}
     check_group_sizes(targets, {name: formats[id(m.weight)].group_size for name, m in targets.items()})
@@ -276,10 +239,7 @@ def load_compressed(
                 shared[key] = store.map(shared[key])
         if isinstance(module, nn.Linear) and module.bias is not None:
             module.bias = _float_param(weight_source, names[id(module.bias)], module.bias, dtype)
-        new = compressed_twin(module, shared[key], target.fmt, target.group_size, dtype)
-        parent, _, child = target_name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        compressed[target_name] = new
+        compressed[target_name] = install_twin(model, target_name, shared[key], target.fmt, target.group_size, dtype)
     _load_float_params(model, weight_source, names, dtype)
     if requantized:
         _warn_requantized({key: source_types[key] for key in requantized}, formats, error, path)
@@ -287,20 +247,14 @@ def load_compressed(
     if reader is not None:
         reader.close()
     trim_heap()  # the float row chunks were freed; do not keep their pages resident
-    model = finish_conversion(model, find_blocks(model), compressed, config, store)
-    mebp_state(model).source = path  # type: ignore[union-attr]
-    return model
+    return finish_conversion(model, find_blocks(model), compressed, config, store, path)
 
 
 def _warn_requantized(source_types: dict[int, str], formats: dict[int, _Target], error: list[float], path: str | None) -> None:
     by_type = ", ".join(f"{n} x {kind}" for kind, n in sorted(Counter(source_types.values()).items()))
     into = ", ".join(sorted({f"{formats[key].fmt.name}/{formats[key].group_size}" for key in source_types}))
     relative = (error[0] / error[1]) ** 0.5 if error[1] > 0 else 0.0
-    warnings.warn(
-        f"load_compressed: {len(source_types)} quantized GGUF tensor(s) of {path} have no stored format that holds "
-        f"them as they are ({by_type}) and were quantized a second time, to {into}: relative error "
-        f"{relative:.4f} (root of the summed squared error over the summed squared weights, against the file's "
-        "dequantized weights).",
-        UserWarning,
-        stacklevel=3,
-    )
+    warnings.warn(f"load_compressed: {len(source_types)} quantized GGUF tensor(s) of {path} have no stored format that "
+                  f"holds them as they are ({by_type}) and were quantized a second time, to {into}: relative error "
+                  f"{relative:.4f} (root of the summed squared error over the summed squared weights, against the "
+                  "file's dequantized weights).", UserWarning, stacklevel=3)

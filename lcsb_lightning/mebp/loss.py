@@ -1,12 +1,7 @@
 """Chunked LM-head cross-entropy: full-vocabulary logits never exist for the whole sequence.
 
-Tokens are processed ``chunk_size`` at a time. For a frozen ``nn.Linear`` head (a
-``CompressedLinear`` included) each chunk streams over the vocabulary in row blocks with an online
-log-sum-exp that also accumulates the input gradient, so not even one token chunk's
-full-vocabulary logits exist, nothing is recomputed in backward and the head's weight is
-decompressed once per chunk.
-Any other head (a callable, or one with trainable parameters) runs per chunk under a non-reentrant
-checkpoint, so its logits are recomputed in backward.
+A frozen ``nn.Linear`` head (a ``CompressedLinear`` included) streams over vocabulary blocks with an online
+log-sum-exp that also accumulates the input gradient; any other head runs per token chunk under a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,28 +24,24 @@ VOCAB_BLOCK_ELEMENTS = 1 << 20
 def _weight_blocks(head: nn.Linear, dtype: torch.dtype, phase: str) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
     """``(rows, weight[rows], bias[rows])`` over the head's output rows, decompressing if needed."""
     step = max(1, min(VOCAB_BLOCK_ELEMENTS, getattr(head, "max_chunk_elements", MAX_CHUNK_ELEMENTS)) // head.in_features)
-    chunks = [slice(s, min(s + step, head.out_features)) for s in range(0, head.out_features, step)]
-    for rows in chunks:
-        if isinstance(head, CompressedLinear):
+    compressed = isinstance(head, CompressedLinear)
+    for start in range(0, head.out_features, step):
+        rows = slice(start, min(start + step, head.out_features))
+        if compressed:
             with head.timed(phase, head.weight.device):
                 weight = head.decompress_rows(rows, dtype)
         else:
             weight = head.weight[rows].to(dtype)
-        bias = head.bias[rows].to(dtype) if head.bias is not None else None
-        yield rows, weight, bias
-        if isinstance(head, CompressedLinear):  # the caller is done with this block
+        yield rows, weight, head.bias[rows].to(dtype) if head.bias is not None else None
+        if compressed:  # the caller is done with this block
             head.give_back(weight)
-    if isinstance(head, CompressedLinear):
+    if compressed:
         head.decompress_count[phase] += 1
 
 
 class _BlockScratch:
-    """Buffers for a vocabulary block's logits and exponentials, shared by the blocks (and token chunks) of one call.
-
-    Allocated anew per block, these temporaries (hundreds per step) churn through the heap: in a heap that
-    trims have left fragmented, each lands on free pages of its own and makes them resident again (the main
-    job's loss grew the resident set by some 100 MiB at every step). Under autocast, where an ``out=`` op is
-    refused, every block allocates as before."""
+    """Buffers for a vocabulary block's logits and exponentials, shared by the blocks of one call: allocated
+    anew, hundreds per step made a fragmented heap's free pages resident again (docs/mebp.md)."""
 
     def __init__(self) -> None:
         self._flat: dict[str, torch.Tensor] = {}
@@ -66,7 +57,7 @@ class _BlockScratch:
 
 def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
                   softcap: float | None, scratch: _BlockScratch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The transformed float logits of one vocabulary block (:func:`_transform`), in ``scratch`` where given."""
+    """The transformed float logits of one vocabulary block, in ``scratch`` (not under autocast: no ``out=``)."""
     if scratch is None or torch.is_autocast_enabled(hidden.device.type):
         return _transform(F.linear(hidden, weight, bias).float(), scale, softcap)  # float under autocast too
     logits = scratch.matrix("logits", hidden.shape[0], weight.shape[0], hidden)
@@ -80,8 +71,7 @@ def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class _OnlineLogSumExp:
-    """A per-row log-sum-exp over vocabulary blocks seen one at a time (a running maximum and a running sum of
-    exponentials rescaled whenever the maximum grows), and each row's logit at its target id."""
+    """A per-row log-sum-exp over vocabulary blocks seen one at a time, and each row's logit at its target id."""
 
     def __init__(self, like: torch.Tensor, targets: torch.Tensor) -> None:
         rows_n = like.shape[0]
@@ -92,9 +82,8 @@ class _OnlineLogSumExp:
 
     def add(self, logits: torch.Tensor, rows: slice, block_max: torch.Tensor | None = None,
             scratch: _BlockScratch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Take in the logits of vocabulary ``rows``; returns ``(rescale, exp_logits, inside)``: the factor the
-        sums accumulated so far were scaled by, ``exp(logits - new max)`` (in ``scratch`` where given, valid
-        until the next block) and the rows whose target is in the block."""
+        """Take in the logits of vocabulary ``rows``; returns the factor the sums so far were scaled by,
+        ``exp(logits - new max)`` (valid until the next block) and the rows whose target is in the block."""
         new_max = torch.maximum(self.running_max, logits.amax(dim=1) if block_max is None else block_max)
         rescale = torch.exp(self.running_max - new_max)
         if scratch is None:
@@ -112,25 +101,12 @@ class _OnlineLogSumExp:
 
 
 class _StreamingLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks.
-
-    One pass: per block, the logits update an online log-sum-exp and, when a gradient is needed,
-    ``sum_v exp(z_v - m) W_v`` (rescaled whenever the running max ``m`` grows), so the input
-    gradient ``softmax(z) W - W_y`` is ready at the end of the forward. The head's weight is
-    decompressed once and its matmul runs twice per step (logits, gradient), as without chunking.
-    """
+    """Summed cross-entropy of ``hidden @ W^T + b`` against ``labels``, streamed over vocabulary blocks: the
+    input gradient ``softmax(z) W - W_y`` is accumulated in the forward, the head decompressed once."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        labels: torch.Tensor,
-        head: nn.Linear,
-        ignore_index: int,
-        scale: float,
-        softcap: float | None,
-        scratch: _BlockScratch | None = None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, ignore_index: int, scale: float,
+                softcap: float | None, scratch: _BlockScratch | None = None) -> torch.Tensor:
         hidden = hidden.float()
         need_grad = ctx.needs_input_grad[0]
         online = _OnlineLogSumExp(hidden, labels)
@@ -160,8 +136,7 @@ class _StreamingLinearCrossEntropy(torch.autograd.Function):
 
 
 def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's own logits (``softcap * tanh(scale * z / softcap)``) and, with a softcap, their slope
-    over ``scale * z`` (the factor the softmax gradient picks up per logit)."""
+    """The model's own logits (``softcap * tanh(scale * z / softcap)``) and, with a softcap, their slope."""
     if scale != 1.0:
         logits = logits * scale
     if softcap is None:
@@ -170,14 +145,8 @@ def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> tup
     return capped * softcap, 1.0 - capped.square()
 
 
-def _chunk_nll(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    ignore_index: int,
-    scale: float,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_nll(hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+               ignore_index: int, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of a chunk through any head, the NLL of ``labels`` (0 at ``ignore_index``), and the logits."""
     logits, _ = _transform(lm_head(hidden).float(), scale, softcap)
     _check_labels(labels, logits.shape[-1], ignore_index)
@@ -189,13 +158,13 @@ def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[t
     return _chunk_nll(hidden, labels, lm_head, ignore_index, scale, softcap)[0].sum()
 
 
-def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def _check_labels(labels: torch.Tensor, vocab_size: Any, ignore_index: int) -> None:
+    if not isinstance(vocab_size, int):  # a callable head: checked on its logits
+        return
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(outside.any()):
-        raise ValueError(
-            f"label {int(labels[outside][0])} is outside the vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); "
-            f"only {ignore_index} (`ignore_index`) may lie outside it."
-        )
+        raise ValueError(f"label {int(labels[outside][0])} is outside the vocabulary of {vocab_size} (ids "
+                         f"0..{vocab_size - 1}); only {ignore_index} (`ignore_index`) may lie outside it.")
 
 
 def logit_transform(model: nn.Module) -> dict[str, float | None]:
@@ -219,24 +188,14 @@ def _streamable(lm_head: Any) -> bool:
     return isinstance(lm_head, nn.Linear) and not any(p.requires_grad for p in lm_head.parameters())
 
 
-def chunked_lm_loss(
-    hidden_states: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    labels: torch.Tensor,
-    chunk_size: int = 1024,
-    ignore_index: int = -100,
-    shift_labels: bool = True,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-) -> torch.Tensor:
+def chunked_lm_loss(hidden_states: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
+                    chunk_size: int = 1024, ignore_index: int = -100, shift_labels: bool = True,
+                    logit_scale: float = 1.0, logit_softcap: float | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy computed ``chunk_size`` tokens at a time.
 
-    Each chunk's logits are computed, reduced to a summed loss and dropped, so full-vocabulary
-    logits for the whole sequence never exist. For a frozen ``nn.Linear`` head they are streamed
-    over vocabulary blocks and the chunk's input gradient is accumulated in the same pass; any
-    other head is checkpointed per chunk and its logits are recomputed in backward. The result equals
-    ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift, and the
-    model's own loss when ``logit_scale``/``logit_softcap`` are the model's (:func:`logit_transform`).
+    A frozen ``nn.Linear`` head is streamed over vocabulary blocks; any other head is checkpointed per chunk.
+    The result equals ``F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())`` with HF's label shift,
+    and the model's own loss with the model's ``logit_scale``/``logit_softcap`` (:func:`logit_transform`).
 
     Args:
         hidden_states: ``(batch, seq, hidden)`` output of the final norm.
@@ -263,19 +222,15 @@ def chunked_lm_loss(
     """
     chunk_size = check_int("chunk_size", chunk_size, 1)
     if hidden_states.dim() != 3 or labels.shape != hidden_states.shape[:2]:
-        raise ValueError(
-            f"Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "
-            f"{tuple(hidden_states.shape)} and {tuple(labels.shape)}."
-        )
+        raise ValueError("Expected `hidden_states` (batch, seq, hidden) and `labels` (batch, seq); got "
+                         f"{tuple(hidden_states.shape)} and {tuple(labels.shape)}.")
     if shift_labels:
         hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).to(flat_hidden.device)
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"`logit_softcap` must be > 0 or None, got {logit_softcap!r}.")
-    vocab_size = getattr(lm_head, "out_features", None)
-    if isinstance(vocab_size, int):
-        _check_labels(flat_labels, vocab_size, ignore_index)
+    _check_labels(flat_labels, getattr(lm_head, "out_features", None), ignore_index)
     stream = _streamable(lm_head)
     scale, softcap = float(logit_scale), logit_softcap
     total = flat_hidden.new_zeros((), dtype=torch.float32)
@@ -297,20 +252,11 @@ PREDICTION_POSITIONS = 256
 
 
 @torch.no_grad()
-def lm_head_predictions(
-    hidden: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    targets: torch.Tensor,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-    ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_predictions(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                        logit_scale: float = 1.0, logit_softcap: float | None = None,
+                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, the negative log-likelihood of ``targets`` and the most likely token, without the
-    full-vocabulary logits of all positions at once (evaluation metrics).
-
-    A frozen ``nn.Linear`` head (a ``CompressedLinear`` included) streams over vocabulary blocks with an
-    online log-sum-exp and running maximum, decompressing each block once; any other head runs on
-    slices of positions.
+    full-vocabulary logits of all positions at once (evaluation metrics); heads as in :func:`chunked_lm_loss`.
 
     Args:
         hidden: ``(n, hidden)`` final-norm hidden states.
@@ -328,8 +274,7 @@ def lm_head_predictions(
     hidden = hidden.float()
     n = hidden.shape[0]
     vocab_size = getattr(lm_head, "out_features", None)
-    if isinstance(vocab_size, int):
-        _check_labels(targets, vocab_size, ignore_index)
+    _check_labels(targets, vocab_size, ignore_index)
     if not _streamable(lm_head):  # the loss's own chunks, a few positions at a time
         step = max(1, VOCAB_BLOCK_ELEMENTS // max(1, vocab_size or 1))
         parts = [_chunk_nll(hidden[s : s + step], targets[s : s + step], lm_head, ignore_index, logit_scale, logit_softcap)

@@ -21,20 +21,15 @@ from lcsb_lightning.mebp.convert import MeBPState, apply_mebp, map_compressed, m
 
 def _skip_ddp_buffer_sync(module: nn.Module) -> None:
     """Keep DDP from broadcasting the compressed codes every step (every rank derives the same ones)."""
-    names = [
-        f"{name}.{buffer}"
-        for name, sub in module.named_modules()
-        if isinstance(sub, (CompressedLinear, CompressedEmbedding))
-        for buffer in ("weight", "scales", "mins")
-        if getattr(sub, buffer) is not None  # the symmetric formats have no minimums
-    ]
+    names = [f"{name}.{buffer}" for name, sub in module.named_modules()
+             if isinstance(sub, (CompressedLinear, CompressedEmbedding))
+             for buffer in ("weight", "scales", "mins") if getattr(sub, buffer) is not None]  # symmetric: no minimums
     ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]  # type: ignore[assignment]
 
 
 def _place_weights(state: MeBPState) -> None:
-    """Map the compressed weights of a model that trains on the CPU (``weights="auto"``; ``"mmap"`` mapped
-    them at conversion), and let go of the weight store of one that trains elsewhere."""
+    """Map the compressed weights of a model that trains on the CPU, let go of those of one that trains elsewhere."""
     config, store = state.config, state.weight_store
     modules = list(state.compressed_modules.values())
     device = modules[0].weight.device
@@ -59,32 +54,21 @@ PRECISIONS: tuple[str, ...] = get_args(_Precision)
 
 
 class QuantizedMeBP(Precision):
-    """Memory-efficient backprop (MeBP) on 4-bit frozen weights, as a Trainer plugin.
+    """Memory-efficient backprop (MeBP) on compressed frozen weights, as a Trainer plugin.
 
-    ``convert_module`` compresses the frozen Linears of the transformer blocks (and with
-    ``compress_embeddings`` the input embedding and LM head) to ``fmt``, installs per-block
-    checkpointing and the optional mmap offload; computation stays float32 (or runs under bfloat16
-    autocast with ``precision="bf16-mixed"``). Conversion happens in
-    ``Trainer.fit`` before the strategy wraps the model, so it works with single-device and DDP
-    strategies alike. Composes with ``LCSBCallback``: a block LCSB skips is neither recomputed nor
-    decompressed in backward.
-
-    Per optimizer step it logs ``mebp/decompress_fwd_ms``, ``mebp/decompress_bwd_ms`` (including the
-    recompute's decompressions), ``mebp/recompute_ms``, ``mebp/backward_ms`` and
-    ``mebp/decompress_share_bwd`` and ``mebp/heap_trims`` (the heap trims since the previous optimizer step,
-    :class:`~lcsb_lightning.heap_trim.HeapTrim`'s included) to the Trainer's loggers every
-    ``log_every_n_steps``; the latest values are in :attr:`last_metrics`.
+    ``convert_module`` runs :func:`apply_mebp` in ``Trainer.fit`` before the strategy wraps the model
+    (single-device and DDP alike; a model already converted is left as it is). Composes with
+    ``LCSBCallback``: a block LCSB skips is neither recomputed nor decompressed in backward. Per optimizer
+    step it logs the ``mebp/...`` timings and ``mebp/heap_trims`` every ``log_every_n_steps``
+    (docs/mebp.md, "Instrumentation"); the latest values are in :attr:`last_metrics`.
 
     Args:
         config: The conversion options (:class:`~lcsb_lightning.mebp.MeBPConfig`; its defaults without
-            one). LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``) and
-            ``--print_config`` prints every field with its value. ``sync_timing`` applies to the timers
-            of the model this plugin trains, also one converted beforehand.
-        precision: The Trainer precision it stands for (the Trainer takes no other with this plugin):
-            ``"32-true"`` (float32, the default) or ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
+            one); LightningCLI configures it field by field (``--trainer.plugins.config.fmt=int4``).
+        precision: The Trainer precision it stands for: ``"32-true"`` (float32, the default) or
+            ``"bf16-mixed"`` (the steps run under bfloat16 autocast).
         **options: :class:`~lcsb_lightning.mebp.MeBPConfig` fields by keyword (``fmt="int4"``): without
-            ``config`` they build one, beside it they override its fields (how the ``mebp`` Hydra group
-            instantiates the plugin).
+            ``config`` they build one, beside it they override its fields.
 
     Raises:
         TypeError: an option that is not a ``MeBPConfig`` field, or a bad value (see ``MeBPConfig``).
@@ -98,15 +82,14 @@ class QuantizedMeBP(Precision):
 
     precision = "32-true"
 
-    def __init__(
-        self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true", **options: Any
-    ) -> None:
+    def __init__(self, config: MeBPConfig = DEFAULT_CONFIG, *, precision: _Precision = "32-true",
+                 **options: Any) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"QuantizedMeBP: precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
         self.config = build_config(config, options, "QuantizedMeBP")
         self.precision = precision  # type: ignore[assignment]
         self._module: nn.Module | None = None
-        self._stats = MeBPStats()
+        self.stats = MeBPStats()  #: the converted model's timers, once convert_module ran
         self.last_metrics: dict[str, float] = {}
         self._trims_at_last_step = trim_count()
 
@@ -118,9 +101,9 @@ class QuantizedMeBP(Precision):
         self._module = module
         state = mebp_state(module)
         assert state is not None
-        self._stats = state.stats  # looked up once: mebp_state may walk every module
-        self._stats.sync_timing = self.config.sync_timing
-        self._stats.reset()
+        self.stats = state.stats  # looked up once: mebp_state may walk every module
+        self.stats.sync_timing = self.config.sync_timing
+        self.stats.reset()
         self._trims_at_last_step = trim_count()
         return module
 
@@ -130,11 +113,6 @@ class QuantizedMeBP(Precision):
         if state is not None:
             _place_weights(state)
         return super().connect(model, optimizers, lr_schedulers)
-
-    @property
-    def stats(self) -> MeBPStats:
-        """The timers of the converted model (a fresh, unattached one before ``convert_module``)."""
-        return self._stats
 
     @property
     def offload_path(self) -> str | None:

@@ -1,9 +1,5 @@
-"""Drops bitsandbytes' CPU-kernel notice: installed on import of :mod:`lcsb_lightning.mebp`, before peft imports bitsandbytes.
-
-bitsandbytes logs on import, on CPUs with AVX512-BF16, that its optional CPU 4-bit matmul kernel (fetched
-from the hub by the ``kernels`` package) is missing. Nothing here uses it (on CPU the 4-bit formats
-decompress in plain torch), and peft imports bitsandbytes in every LoRA run, 4-bit or not.
-"""
+"""Drops bitsandbytes' notice, logged on import on CPUs with AVX512-BF16, that its optional CPU 4-bit kernel is
+missing: nothing here uses it, and peft imports bitsandbytes in every LoRA run."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Per-block gradient checkpointing that composes with LCSB's identity path.
-
-Each block gets a :class:`BlockCheckpoint` wrapper in its forward stack. With gradients enabled, a block that
-LCSB does not cut runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so backward
-recomputes it (decompressing its weights again). Under ``no_grad`` (evaluation, or a block LCSB cuts
-when its wrapper sits outside this one) nothing is checkpointed; when this wrapper sits outside LCSB's,
-a cut block is passed straight to LCSB's wrapper, which runs it without graph. The two wrappers
-compose in either order and come off in any order.
+"""Per-block non-reentrant gradient checkpointing (and heap trims, saved-tensor offload) as a forward wrapper
+that composes with LCSB's in either order: a block LCSB cuts, or any block under ``no_grad``, is not checkpointed.
 """
 
 from __future__ import annotations
@@ -30,10 +24,7 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 def _first_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
+    return next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
 class BlockCheckpoint:
@@ -41,28 +32,19 @@ class BlockCheckpoint:
 
     Args:
         checkpoint_blocks: Recompute the block in backward (non-reentrant checkpoint).
-        saved_tensors_context: Factory of a context (e.g. ``saved_tensors_hooks``) entered around a
-            back-propagated block's forward: with checkpointing it receives the block's checkpoint
-            inputs, without it every activation the block saves.
-        stats: Receives the recompute timings (none recorded without it).
-        release_heap: On CPU, trim the heap before and after the block runs with gradients
-            (``heap.trim_heap_if_grown``) and before its recompute (``heap.trim_heap_before_backward``).
-        starts_pass: This block runs first in every forward pass (with or without gradients, also where
-            LCSB cuts it): each call starts a forward pass of the trims (``heap.start_forward_pass``).
+        saved_tensors_context: Factory of a context (``saved_tensors_hooks``) entered around a back-propagated
+            block's forward: it receives the checkpoint inputs, or without checkpointing every saved activation.
+        stats: Receives the recompute timings.
+        release_heap: On CPU, trim the heap around the block's forward with gradients and before its recompute.
+        starts_pass: The lowest block: each call starts a forward pass of the trims (``heap.start_forward_pass``).
     """
 
     name = CHECKPOINT_WRAPPER
     persistent = True  # part of the converted model: copies and pickles keep it
 
-    def __init__(
-        self,
-        block: nn.Module,
-        checkpoint_blocks: bool,
-        saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
-        stats: MeBPStats | None = None,
-        release_heap: bool = True,
-        starts_pass: bool = False,
-    ) -> None:
+    def __init__(self, block: nn.Module, checkpoint_blocks: bool,
+                 saved_tensors_context: Callable[[], ContextManager[Any]] | None = None, stats: MeBPStats | None = None,
+                 release_heap: bool = True, starts_pass: bool = False) -> None:
         self.block = block
         self.checkpoint_blocks = checkpoint_blocks
         self.saved_tensors_context = saved_tensors_context
@@ -92,9 +74,7 @@ class BlockCheckpoint:
         if not self.checkpoint_blocks:
             with context:
                 return inner(*args, **kwargs)
-        for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+        kwargs.update({name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None})
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         with context:
@@ -121,21 +101,10 @@ class _Recompute:
             return self.inner(*args, **kwargs)
 
 
-def install_block_wrappers(
-    blocks: Sequence[nn.Module],
-    checkpoint_blocks: bool,
-    saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
-    stats: MeBPStats | None = None,
-    release_heap: bool = True,
-) -> None:
-    """Install a :class:`BlockCheckpoint` on each block (reporting recompute times to ``stats``); the lowest
-    starts each forward pass of the heap trims.
-
-    Example::
-
-        >>> blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-        >>> install_block_wrappers(blocks, checkpoint_blocks=True)
-    """
+def install_block_wrappers(blocks: Sequence[nn.Module], checkpoint_blocks: bool,
+                           saved_tensors_context: Callable[[], ContextManager[Any]] | None = None,
+                           stats: MeBPStats | None = None, release_heap: bool = True) -> None:
+    """Install a :class:`BlockCheckpoint` on each block; the lowest starts each forward pass of the heap trims."""
     for block in blocks:
         if get_wrapper(block, CHECKPOINT_WRAPPER) is not None:
             raise RuntimeError(f"{type(block).__name__} already has QuantizedMeBP's block checkpoint wrapper installed.")

@@ -1,10 +1,6 @@
-"""Stored weight formats as objects: one class per kind of block, as gguf-py's ``quants.py`` has one per GGML type.
-
-The base is :class:`~lcsb_lightning.mebp._internal.stored.StoredFormat`. Quantized here from float
-weights (``fmt=``): :class:`Int4` (``int4``), ``int4_asym`` (also GGUF Q4_1's blocks), :class:`NF4` and
-:class:`FP4` (bitsandbytes' code books). The GGUF block types kept as they are live in
-:mod:`~lcsb_lightning.mebp._internal.gguf_blocks`. Adding a format is one subclass: its ``name``
-registers it (:func:`get_format`).
+"""The stored formats quantized here from float weights (``fmt=``): ``int4``, ``int4_asym`` (also GGUF Q4_1's
+blocks), ``nf4`` and ``fp4`` (bitsandbytes' code books); GGUF block types live in ``gguf_blocks``. Adding a format
+is one :class:`~lcsb_lightning.mebp._internal.stored.StoredFormat` subclass: its ``name`` registers it.
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ import torch
 from lcsb_lightning.mebp._internal.gguf_blocks import GGUFBlocks
 from lcsb_lightning.mebp._internal.stored import REGISTRY, Packed, StoredFormat
 
-#: What ``fmt=`` accepts. ``auto`` keeps a GGUF file's blocks where a stored format holds them as they
-#: are, and quantizes float weights to :data:`AUTO_FLOAT_FORMAT` at group :data:`AUTO_GROUP_SIZE`.
+#: What ``fmt=`` accepts; ``auto`` keeps a GGUF file's blocks where a stored format holds them as they are.
 FORMATS: tuple[str, ...] = ("auto", "int4", "int4_asym", "nf4", "fp4")
 #: ``fmt="auto"`` on float weights: the lowest error measured at 5 bits a weight or fewer on SmolLM2-135M's
 #: matrices (docs/mebp.md, "Formats"; tests/test_mebp_format_table.py).
@@ -26,14 +21,9 @@ AUTO_FLOAT_FORMAT, AUTO_GROUP_SIZE = "int4_asym", 32
 #: Block sizes bitsandbytes supports for 4-bit quantization.
 BNB_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
+
 def get_format(fmt: str | StoredFormat) -> StoredFormat:
-    """The stored format named ``fmt`` (``"auto"``: the one float weights are quantized to).
-
-    Example::
-
-        >>> get_format("int4").bits_per_weight(32)
-        5.0
-    """
+    """The stored format named ``fmt`` (``"auto"``: the one float weights are quantized to)."""
     if isinstance(fmt, StoredFormat):
         return fmt
     name = AUTO_FLOAT_FORMAT if fmt == "auto" else fmt
@@ -43,12 +33,7 @@ def get_format(fmt: str | StoredFormat) -> StoredFormat:
 
 
 def validate_format(fmt: str, group_size: int) -> None:
-    """Fail fast on an unknown ``fmt``, a bad ``group_size`` or a missing bitsandbytes.
-
-    Raises:
-        ValueError: unknown ``fmt`` or unsupported ``group_size``.
-        ModuleNotFoundError: ``fmt`` is ``"nf4"``/``"fp4"`` and bitsandbytes is not installed.
-    """
+    """Fail fast on an unknown ``fmt``, a bad ``group_size`` (ValueError) or a missing bitsandbytes."""
     if fmt not in FORMATS:
         raise ValueError(f"`fmt={fmt!r}` is not supported; choose one of {', '.join(map(repr, FORMATS))}.")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or group_size % 2:
@@ -71,10 +56,9 @@ def _bnb_functional(fmt: str) -> ModuleType:
     try:
         return importlib.import_module("bitsandbytes.functional")
     except ImportError as err:  # ModuleNotFoundError, or a broken native library
-        raise ModuleNotFoundError(
-            f"`fmt={fmt!r}` needs bitsandbytes, which could not be imported ({err}). "
-            "Use `fmt='int4'` (plain torch, no extra dependency) or `pip install bitsandbytes`."
-        ) from err
+        raise ModuleNotFoundError(f"`fmt={fmt!r}` needs bitsandbytes, which could not be imported ({err}). Use "
+                                  "`fmt='int4'` (plain torch, no extra dependency) or `pip install "
+                                  "bitsandbytes`.") from err
 
 
 class _CodeBook(StoredFormat):

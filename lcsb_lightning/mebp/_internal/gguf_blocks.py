@@ -1,27 +1,6 @@
-"""GGUF block types kept as they are (``fmt="auto"``): no float copy, no second quantization.
-
-Each class holds one GGUF block type: :meth:`GGUFBlocks.read_gguf` takes raw blocks into codes,
-scales and minimums; :meth:`GGUFBlocks.to_gguf` gives the blocks back. Every block becomes
-``groups_per_block`` groups of the stored format, which dequantize bit for bit as
-``gguf.quants.dequantize`` does (tests/test_mebp_gguf_native.py). The K-quants' sub-block scales,
-``d * sc`` (an fp16 times an integer of at most 8 bits), are exact in float32 and stored so.
-
-=====  ===============================  ===========  ====================  =====  ===================
-GGUF   gguf's dequantization            stored as    codes                 group  bits a weight (file, here)
-=====  ===============================  ===========  ====================  =====  ===================
-Q4_0   ``d * (q - 8)``                  ``q4_0``     4-bit, fp16 scale     32     4.5, 4.5
-Q4_1   ``d * q + m``                    int4_asym    4-bit, fp16 scale+min 32     5.0, 5.0
-Q5_0   ``d * (q - 16)``                 ``q5_0``     5-bit, one a byte     32     5.5, 8.5
-Q5_1   ``d * q + m``                    ``q5_1``     5-bit, one a byte     32     6.0, 9.0
-Q8_0   ``d * q``                        ``q8_0``     8-bit signed          32     8.5, 8.5
-Q2_K   ``d*sc * q - dmin*m``            ``q2_k``     2-bit, as 4-bit       16     2.6, 8.0
-Q3_K   ``d*(sc - 32) * q``              ``q3_k``     3-bit, as 4-bit       16     3.4, 6.0
-Q4_K   ``d*sc * q - dmin*m``            ``q4_k``     4-bit, f32 scale+min  32     4.5, 6.0
-Q5_K   ``d*sc * q - dmin*m``            ``q5_k``     5-bit, one a byte     32     5.5, 10.0
-Q6_K   ``d*sc * (q - 32)``              ``q6_k``     6-bit, one a byte     16     6.6, 10.0
-=====  ===============================  ===========  ====================  =====  ===================
-
-Other types (IQ types, F16, BF16, F32) have no stored twin and are read as floats and quantized.
+"""GGUF block types kept as they are (``fmt="auto"``): each block becomes ``groups_per_block`` groups of a stored
+format that dequantize bit for bit as ``gguf.quants.dequantize`` does; the K-quants' ``d * sc`` sub-block scales
+are exact in float32. The table of types, codes and bits a weight: docs/mebp.md, "Formats".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""A lean GGUF reader: the tensors' names, types, shapes and memory-mapped data, and the scalar metadata.
-
-``gguf.GGUFReader`` builds a numpy view and a Python object for every element of every metadata
-array; the 49,152 tokens and 48,900 merges of SmolLM2's tokenizer cost it about 6 s and 160 MB of
-anonymous memory held as long as the reader lives. Loading weights needs none of them: this reader
-walks over the arrays without building them (their element type and length are kept) and exposes
-the same ``get_field(key).contents()`` and ``tensors`` (``name``, ``tensor_type``, ``shape``,
-``data``) that :class:`~lcsb_lightning.mebp._internal.sources.GGUFSource` reads. ``data`` is a view
-of one read-only memory map of the file, shaped as ``gguf.GGUFReader`` shapes it.
+"""A lean GGUF reader: tensor names, types, shapes and memory-mapped data (shaped as ``gguf.GGUFReader`` shapes
+them), and scalar metadata. Metadata arrays are skipped, not built: ``gguf.GGUFReader`` spends about 6 s and
+160 MB on the objects of SmolLM2's tokenizer arrays, which loading weights never reads.
 """
 
 from __future__ import annotations
@@ -66,9 +60,6 @@ class _Cursor:
         self.at += length
         return text
 
-    def skip_string(self) -> None:
-        self.at += 8 + self.scalar("<Q")
-
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:
             return self.string()
@@ -109,11 +100,8 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"{self.path!r}: GGUF version {version} is not supported (2 and 3 little-endian are)")
         tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
-        self.fields: dict[str, Any] = {}
         metadata_start = cursor.at
-        for _ in range(kv_count):
-            key = cursor.string()
-            self.fields[key] = cursor.value(cursor.scalar("<I"))
+        self.fields: dict[str, Any] = {cursor.string(): cursor.value(cursor.scalar("<I")) for _ in range(kv_count)}
         #: Byte range of the metadata key-value pairs, as stored (a merged file copies it unchanged).
         self.metadata_span = (metadata_start, cursor.at)
         infos = []
@@ -126,14 +114,10 @@ class GGUFFile:
         self.tensors: list[Tensor] = []
         for name, dims, qtype, offset in infos:
             block_size, type_size = GGML_QUANT_SIZES[qtype]
-            count = int(np.prod(dims)) if dims else 1
-            nbytes = count * type_size // block_size
-            raw = mapped[start + offset : start + offset + nbytes]
-            shape = tuple(reversed(dims))
-            if qtype.name in _ELEMENT_TYPES:
-                data = raw.view(_ELEMENT_TYPES[qtype.name]).reshape(shape)
-            else:
-                data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+            nbytes = (int(np.prod(dims)) if dims else 1) * type_size // block_size
+            raw, shape = mapped[start + offset : start + offset + nbytes], tuple(reversed(dims))
+            data = (raw.view(_ELEMENT_TYPES[qtype.name]).reshape(shape) if qtype.name in _ELEMENT_TYPES
+                    else raw.reshape(quant_shape_to_byte_shape(shape, qtype)))
             self.tensors.append(Tensor(name, qtype, dims, data))
 
     def close(self) -> None:

@@ -1,34 +1,6 @@
-"""Give freed heap memory back to the OS (glibc's ``malloc_trim``; a no-op with other allocators): the one owner
-of heap trimming, for compressed and float models alike.
-
-glibc keeps freed memory in its heaps for reuse. A training step allocates its activations,
-gradients and temporaries among longer-lived tensors, so the freed pages stay resident: with the
-allocator's defaults the RSS of a Qwen2.5-0.5B-shape MeBP run grew from 1.5 GB to over 2 GB in four
-steps. Every trim of the library goes through this module, under its lock, counted (:func:`trim_count`), and
-sets the baseline that the next growth is measured from. Three calls, one per kind of moment:
-
-* :func:`trim_heap`: now, whatever the growth; at fixed points outside the blocks (after loading, after each
-  training batch and around evaluations: :class:`~lcsb_lightning.heap_trim.HeapTrim`).
-* :func:`trim_heap_if_grown`: before and after each block's forward with gradients (the per-block wrapper that
-  ``QuantizedMeBP(release_heap=True)`` and :func:`~lcsb_lightning.recompute.recompute_lower_blocks` install),
-  once the resident set has grown by :data:`RELEASE_THRESHOLD_BYTES` since the last trim, which keeps the RSS
-  flat without re-faulting the same pages at every block, and at most :data:`MAX_TRIMS_PER_PASS` times per
-  forward pass (:func:`start_forward_pass`, which the lowest block's wrapper calls).
-* :func:`trim_heap_before_backward`: before each backward recompute; the pass's first one trims whatever the
-  growth, so what the forward and the loss freed leaves before the backward's peak.
-
-glibc also serves an allocation above its mmap threshold from pages of its own, returned to the OS
-when freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so
-after the first step a block's activations and decompressed weights come from the heap, where their
-freed pages stay resident between trims. :func:`map_large_allocations` (``MeBPConfig.map_large_allocations``)
-fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (``mallopt(M_MMAP_THRESHOLD)``) for the whole
-process and for good: glibc then never adapts it again, and has no call that would turn adapting back
-on. It applies to the allocations the heap's free space cannot serve, so it must be set before the
-heap has grown (docs/mebp.md, "Memory").
-
-Both act on glibc's malloc only: where the process's ``malloc`` is another allocator (macOS, musl,
-Windows, a preloaded jemalloc or tcmalloc) trimming is skipped and :func:`map_large_allocations` warns
-that it has no effect.
+"""The one owner of heap trimming (glibc's ``malloc_trim``; a no-op with other allocators), for compressed and
+float models alike: every trim goes through here, under one lock, counted, and resets the baseline the next
+growth is measured from. Why the resident set needs it, and what it costs: docs/mebp.md, "Memory".
 """
 
 from __future__ import annotations
@@ -44,8 +16,7 @@ from lcsb_lightning.rank_zero import rank_zero_warn
 
 #: Growth of the resident set since the last trim that triggers the next one.
 RELEASE_THRESHOLD_BYTES = 16 << 20
-#: Most growth-gated trims per forward pass, a backstop behind the growth threshold (the 0.5B shape trims 49
-#: times a step: before each of its 24 blocks and recomputes, and before the loss).
+#: Most growth-gated trims per forward pass, a backstop behind the growth threshold (the 0.5B shape trims 49).
 MAX_TRIMS_PER_PASS = 128
 #: Allocations at least this large get pages of their own, returned to the OS when freed.
 MMAP_THRESHOLD_BYTES = 256 << 10
@@ -96,8 +67,9 @@ def _malloc_trim() -> Callable[[int], Any] | None:
 
 @functools.lru_cache(maxsize=1)
 def map_large_allocations() -> bool:
-    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (once per process, for good);
-    whether it could. Where it cannot, warns that ``map_large_allocations`` has no effect."""
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES`, once per process and for good (glibc has no
+    call that turns its adaptive threshold back on): allocations the heap's free space cannot serve then get
+    pages of their own, returned when freed. Whether it could; warns where it cannot."""
     mallopt = _glibc("mallopt")
     done = mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     if not done:
@@ -133,7 +105,8 @@ def _trim_locked() -> None:
 
 
 def trim_heap() -> bool:
-    """Return the free pages of every malloc arena to the OS now; whether it could (glibc only)."""
+    """Return the free pages of every malloc arena to the OS now, whatever the growth (at fixed points:
+    after loading, around evaluations: :class:`~lcsb_lightning.heap_trim.HeapTrim`); whether it could."""
     if _malloc_trim() is None:
         return False
     with _lock:
@@ -150,9 +123,8 @@ def start_forward_pass() -> None:
 
 
 def trim_heap_if_grown(threshold: int | None = None) -> bool:
-    """Trim if the resident set grew by ``threshold`` bytes (default :data:`RELEASE_THRESHOLD_BYTES`) since the
-    last trim (always, where the resident set cannot be read) and this forward pass trimmed fewer than
-    :data:`MAX_TRIMS_PER_PASS` times; returns whether it trimmed."""
+    """Trim (around the blocks) if the resident set grew by ``threshold`` bytes (:data:`RELEASE_THRESHOLD_BYTES`)
+    since the last trim (or cannot be read) and this pass trimmed fewer than :data:`MAX_TRIMS_PER_PASS` times."""
     global _gated_trims_this_pass
     threshold = RELEASE_THRESHOLD_BYTES if threshold is None else threshold
     if _malloc_trim() is None:
@@ -169,10 +141,8 @@ def trim_heap_if_grown(threshold: int | None = None) -> bool:
 
 
 def trim_heap_before_backward() -> bool:
-    """:func:`trim_heap_if_grown` before a backward recompute, the pass's first one whatever the growth;
-    returns whether it trimmed. Under the growth threshold alone up to :data:`RELEASE_THRESHOLD_BYTES` of what
-    the forward and the loss freed stayed through the backward's peak, depending on how many fresh pages the
-    loss happened to touch."""
+    """:func:`trim_heap_if_grown` before a backward recompute, the pass's first one whatever the growth, so that
+    what the forward and the loss freed leaves before the backward's peak."""
     global _backward_trimmed
     with _lock:
         first, _backward_trimmed = not _backward_trimmed, True

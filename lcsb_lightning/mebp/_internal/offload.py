@@ -1,16 +1,10 @@
-"""Saved-tensor offload to memory-mapped files (MeBP's ``offload="mmap"``).
-
-Inside :meth:`MmapOffload.hooks`, every tensor autograd saves that is larger than ``min_bytes`` (with
-checkpointing: a block's checkpoint inputs) is written to its own file in a private temporary
-directory and only a small handle stays in memory. Backward maps the file back read-only-private
-(:func:`torch.from_file`). A file is deleted as soon as autograd frees its handle (after backward,
-or when a failed step's graph is dropped); :meth:`MmapOffload.close` removes the directory and runs
-on ``teardown``, at interpreter exit and when the object is collected.
+"""Saved-tensor offload to memory-mapped files (MeBP's ``offload="mmap"``): inside :meth:`MmapOffload.hooks`
+every saved tensor of at least ``min_bytes`` goes to its own file, deleted once autograd frees its handle.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import errno
 import itertools
 import os
@@ -34,12 +28,9 @@ class _OnDisk:
         self.shape = tensor.shape
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
-        flat = tensor.detach().reshape(-1)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
         try:
             with open(path, "wb") as handle:
-                flat.contiguous().view(torch.uint8).numpy().tofile(handle)
+                tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tofile(handle)
         except OSError as exc:
             _unlink(path)
             reason = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
@@ -53,43 +44,22 @@ class _OnDisk:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class MmapOffload:
-    """Writes saved activations to memory-mapped files in a temporary directory.
-
-    Args:
-        parent_dir: Where the temporary directory is created (default: the system temp dir; prefer
-            a local SSD).
-        min_bytes: Tensors smaller than this stay in RAM.
-
-    Example::
-
-        >>> offload = MmapOffload()
-        >>> x = torch.randn(256, 256, requires_grad=True)
-        >>> with offload.hooks():
-        ...     y = (x * x).sum()
-        >>> y.backward()
-        >>> offload.close()
-    """
+    """Writes saved activations to files in a temporary directory under ``parent_dir`` (default: the
+    system temp dir), read back as private memory maps; tensors under ``min_bytes`` stay in RAM."""
 
     def __init__(self, parent_dir: str | None = None, min_bytes: int = 1 << 10) -> None:
         if min_bytes < 0:
             raise ValueError(f"`min_bytes` must be >= 0, got {min_bytes}.")
-        self.min_bytes = min_bytes
-        self.parent_dir = parent_dir
-        self._counter = itertools.count()
-        self.bytes_written = 0
-        self._open()
+        self.__setstate__({"min_bytes": min_bytes, "parent_dir": parent_dir})
 
     def _open(self) -> None:
         self.path = tempfile.mkdtemp(prefix="lcsb_mebp_", dir=self.parent_dir)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
-        atexit.register(self._finalizer)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)  # also runs at exit
 
     def __getstate__(self) -> dict[str, Any]:
         return {"min_bytes": self.min_bytes, "parent_dir": self.parent_dir}
@@ -131,4 +101,3 @@ class MmapOffload:
     def close(self) -> None:
         """Remove the temporary directory; idempotent (a later offload opens a new one)."""
         self._finalizer()
-        atexit.unregister(self._finalizer)

@@ -1,15 +1,6 @@
-"""Weight sources for :func:`load_compressed`: random init, a safetensors folder, a GGUF file.
-
-A source yields one tensor (or a range of its rows) at a time by Hugging Face parameter name; the
-loader asks for row chunks of at most ``LOAD_CHUNK_ELEMENTS`` floats and quantizes each one before
-asking for the next.
-
-What is bounded, for a GGUF file: the file is memory-mapped, so the packed bytes of the tensor being
-read are file-backed pages (at most that tensor's packed size resident, reclaimable by the OS). On
-the heap a :class:`GGUFSource` holds the float32 chunk it returns plus the working memory of one
-``gguf.quants.dequantize`` call on at most ``DEQUANTIZE_ELEMENTS`` weights (the packed rows it
-gathers, gguf's own output and temporaries); it keeps nothing between calls. 1-D tensors (norms,
-biases) are dequantized whole.
+"""Weight sources for :func:`load_compressed` (random init, a safetensors folder, a GGUF file): one tensor, or a
+range of its rows, at a time by Hugging Face parameter name, as float32. A GGUF source reads from the memory map
+and holds one chunk plus one ``gguf.quants.dequantize`` call on at most ``DEQUANTIZE_ELEMENTS`` weights.
 """
 
 from __future__ import annotations
@@ -100,18 +91,12 @@ class SafetensorsSource:
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
-    """The file's ``general.architecture``, checked against :data:`GGUF_ARCHITECTURES`.
-
-    Raises:
-        ValueError: the architecture is missing or not supported.
-    """
+    """The file's ``general.architecture``; a ValueError unless it is one of :data:`GGUF_ARCHITECTURES`."""
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported by `load_compressed`; "
-            f"supported architectures: {', '.join(GGUF_ARCHITECTURES)}."
-        )
+        raise ValueError(f"GGUF architecture {arch!r} is not supported by `load_compressed`; "
+                         f"supported architectures: {', '.join(GGUF_ARCHITECTURES)}.")
     return str(arch)
 
 
@@ -143,10 +128,8 @@ def gguf_quant_types() -> tuple[str, ...]:
 
 
 def gguf_tensor_name(name_map: TensorNameMap, hf_name: str) -> str | None:
-    """GGUF tensor name of HF parameter ``hf_name`` (``None`` if the architecture has none).
-
-    Like transformers' loader, names relative to each submodule are tried too (``model.x`` -> ``x``).
-    """
+    """GGUF tensor name of HF parameter ``hf_name`` (None if there is none); as transformers' loader does, names
+    relative to each submodule are tried too (``model.x`` -> ``x``)."""
     base, _, suffix = hf_name.rpartition(".")
     parts = base.split(".")
     for first in range(len(parts)):
@@ -156,26 +139,28 @@ def gguf_tensor_name(name_map: TensorNameMap, hf_name: str) -> str | None:
     return None
 
 
-def _head_count(reader: GGUFReader, key: str) -> int | None:
-    """An integer metadata field of the file, ``None`` if absent."""
-    field = reader.get_field(key)
-    return None if field is None else int(field.contents())
+def rotary_heads(reader: GGUFFile | GGUFReader) -> dict[str, int]:
+    """``{".attn_q.": heads, ".attn_k.": kv heads}`` of a file whose Q/K rows llama.cpp's converter stored in
+    :func:`rotary_order` (a llama file with both head counts: where transformers' loader undoes it), else ``{}``."""
+    arch = gguf_architecture(reader)
+    heads, kv_heads = (reader.get_field(f"{arch}.attention.{key}") for key in ("head_count", "head_count_kv"))
+    if arch != "llama" or heads is None or kv_heads is None:
+        return {}
+    return {".attn_q.": int(heads.contents()), ".attn_k.": int(kv_heads.contents())}
+
+
+def rotary_order(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Q/K rows (Hugging Face order in): each head's rotary halves interleaved."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 class GGUFSource:
-    """A GGUF file, read in row ranges straight from its memory map with the ``gguf`` package.
-
-    Parameter names are mapped with gguf's public ``get_tensor_name_map``; the value transforms are
-    those transformers' GGUF loader applies: for ``llama`` files the Q and K projection rows that
-    llama.cpp's converter permuted are read back in Hugging Face order (a row range gathers the
-    packed rows it needs), and for Gemma 2/3 the norm weights, stored plus one, get one subtracted.
-    Only the packed rows of the requested range are dequantized, at most ``DEQUANTIZE_ELEMENTS``
-    weights per ``gguf.quants.dequantize`` call, into the one float32 chunk returned.
+    """A GGUF file, read in row ranges straight from its memory map, with transformers' GGUF loader's names
+    (gguf's ``get_tensor_name_map``) and transforms: :func:`rotary_order` undone, Gemma 2/3 norms stored plus one.
 
     Args:
         gguf_file: Path of the file, or a :class:`GGUFFile` (or ``gguf.GGUFReader``) already open on it.
-        model: The model to load (meta parameters are fine): its ``named_parameters()`` are mapped;
-            parameters tied together share one GGUF tensor (tied embeddings have no ``output``).
+        model: The model to load (meta parameters are fine); parameters tied together share one GGUF tensor.
 
     Raises:
         ValueError: unsupported architecture, a parameter with no tensor in the file or of another
@@ -186,7 +171,7 @@ class GGUFSource:
         import gguf
 
         self.reader = gguf_file if isinstance(gguf_file, (GGUFFile, gguf.GGUFReader)) else GGUFFile(gguf_file)
-        self.architecture = arch = gguf_architecture(self.reader)
+        arch = gguf_architecture(self.reader)
         arch_id = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}[arch]
         name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
         by_name = {tensor.name: tensor for tensor in self.reader.tensors}
@@ -197,51 +182,31 @@ class GGUFSource:
         missing: list[str] = []
         for group in groups.values():
             found = [by_name[g] for g in (gguf_tensor_name(name_map, n) for n, _ in group) if g in by_name]
-            if not found:
-                missing.extend(n for n, _ in group)
-            for name, shape in group:
-                if found:
-                    self.tensors[name] = self._checked(found[0], name, shape)
+            missing.extend(n for n, _ in group if not found)
+            self.tensors.update((name, self._checked(found[0], name, shape)) for name, shape in group if found)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"The GGUF file has no tensor for the parameters {shown} (architecture {arch!r}).")
-        # transformers reverses llama.cpp's permutation only when both head counts are in the file.
-        heads = _head_count(self.reader, f"{arch}.attention.head_count")
-        kv_heads = _head_count(self.reader, f"{arch}.attention.head_count_kv")
-        self._heads: dict[str, int] = {}
-        if arch == "llama" and heads is not None and kv_heads is not None:
-            for name, tensor in self.tensors.items():
-                if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
-                    self._heads[name] = heads if ".attn_q." in tensor.name else kv_heads
-        self._shifted: set[str] = set()
-        if arch in ("gemma2", "gemma3"):
-            self._shifted = {name for name, tensor in self.tensors.items() if "norm.weight" in tensor.name}
+        rotary = rotary_heads(self.reader)
+        self._heads = {name: n for name, t in self.tensors.items() for key, n in rotary.items() if key in t.name}
+        gemma = arch in ("gemma2", "gemma3")
+        self._shifted = {name for name, tensor in self.tensors.items() if gemma and "norm.weight" in tensor.name}
 
     @staticmethod
     def _checked(tensor: ReaderTensor, name: str, shape: torch.Size) -> ReaderTensor:
         if not _dequantizable(tensor.tensor_type):
-            raise ValueError(
-                f"GGUF tensor `{tensor.name}` (parameter `{name}`) has type {tensor.tensor_type.name}, which the "
-                f"installed gguf package cannot dequantize; supported types: {', '.join(gguf_quant_types())}."
-            )
+            raise ValueError(f"GGUF tensor `{tensor.name}` (parameter `{name}`) has type {tensor.tensor_type.name}, "
+                             "which the installed gguf package cannot dequantize; supported types: "
+                             f"{', '.join(gguf_quant_types())}.")
         file_shape = tuple(reversed([int(d) for d in tensor.shape]))
         if file_shape != tuple(shape):
             raise ValueError(f"GGUF tensor `{tensor.name}` has shape {file_shape}; parameter `{name}` has {tuple(shape)}.")
         return tensor
 
     def _file_rows(self, name: str, rows: int, start: int, stop: int) -> np.ndarray | None:
-        """File row of each HF row ``start:stop`` of a permuted Q/K tensor with ``rows`` rows; else ``None``.
-
-        llama.cpp stores HF row ``(head, half, i)`` of each head's two rotary halves at
-        ``(head, i, half)``: the rows of the two halves interleaved.
-        """
+        """File row of each HF row ``start:stop`` of a Q/K tensor in :func:`rotary_order` (``rows`` rows), else None."""
         n_head = self._heads.get(name)
-        if n_head is None:
-            return None
-        size = rows // n_head
-        head, within = np.divmod(np.arange(start, stop), size)
-        half, pos = np.divmod(within, size // 2)
-        return head * size + 2 * pos + half
+        return None if n_head is None else np.argsort(rotary_order(np.arange(rows), n_head))[start:stop]
 
     def _tensor(self, name: str) -> ReaderTensor:
         if name not in self.tensors:
@@ -257,8 +222,8 @@ class GGUFSource:
         return gguf_format(self.tensor_type(name))
 
     def packed_rows_into(self, name: str, shape: torch.Size, start: int, stop: int, out: Packed) -> None:
-        """Rows ``start:stop`` of parameter ``name``, copied block by block into the stored slot ``out``
-        (:meth:`native_format` must not be None); permuted Q/K rows are gathered as in :meth:`rows`."""
+        """Rows ``start:stop`` of parameter ``name``, copied block by block into the slot ``out`` of its
+        :meth:`native_format`."""
         tensor = self._tensor(name)
         index = self._file_rows(name, shape[0], start, stop)
         raw = tensor.data[start:stop] if index is None else tensor.data[index]

@@ -1,19 +1,7 @@
-"""Decompression and recompute timers of one converted model (plain Python, read by its plugin).
+"""Decompression and recompute timers of one converted model (``mebp_state(model).stats``), read by its plugin.
 
-Every model :func:`~lcsb_lightning.mebp.apply_mebp` converts gets its own :class:`MeBPStats`
-(``mebp_state(model).stats``); its compressed layers and checkpointed blocks report to it, so two
-models, plugins or trainers in one process never mix their figures.
-
-Decompression happens either in the forward pass (``"forward"``) or while autograd runs the backward
-pass (``"backward"``: the compressed Linear's input-gradient, and every decompression inside a
-checkpoint recompute). Recompute time is the time of the recomputed block forwards.
-
-Timing never stalls the device unless asked. On CPU the timers read the wall clock (CPU kernels run
-synchronously). On CUDA they record a pair of ``torch.cuda.Event(enable_timing=True)`` on the current
-stream and read them only when the figures are read (:meth:`MeBPStats.as_dict`, once per optimizer
-step): a pair the GPU has not reached yet counts in the next read. ``sync_timing=True`` restores
-synchronising the device before and after every timed region (wall time, exact per step, but a
-stall per layer).
+On CPU they read the wall clock; on CUDA they record event pairs read once per optimizer step (a pair the GPU
+has not reached yet counts in the next read), never stalling the device unless ``sync_timing=True``.
 """
 
 from __future__ import annotations
@@ -56,27 +44,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-#: The totals a timed region adds to: a decompression phase, the recompute or the whole backward.
-_TimedKey = str
-_RECOMPUTE, _BACKWARD = "recompute", "backward_pass"
+_TimedKey = str  # what a timed region adds to: a decompression phase, or one of these attributes
+_RECOMPUTE, _BACKWARD = "recompute_ms", "backward_ms"
 
 
 @dataclass
 class MeBPStats:
-    """Milliseconds and counts accumulated since the last :meth:`reset`.
+    """Milliseconds and counts since the last :meth:`reset`; decompressions in ``"forward"`` or in
+    ``"backward"`` (input gradients and every decompression inside a recompute).
 
     Args:
         enabled: Time decompressions and recomputes (``False``: the timers are no-ops).
-        sync_timing: Synchronise the device before and after every timed region (see the module
-            docstring); ``False`` (default) times CUDA work with events, without a stall.
-
-    Example::
-
-        >>> stats = MeBPStats()
-        >>> with stats.time_decompress("forward", torch.device("cpu")):
-        ...     _ = torch.ones(4).sum()
-        >>> stats.decompress_count["forward"]
-        1
+        sync_timing: Synchronise the device before and after every timed region.
     """
 
     decompress_ms: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
@@ -95,25 +74,20 @@ class MeBPStats:
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (deepcopy, pickle: EMA, SWA, checkpoints of whole models) leaves out the unread CUDA
-        events, which cannot be copied."""
+        """A copy (deepcopy, pickle: EMA, SWA) leaves out the unread CUDA events, which cannot be copied."""
         return {**self.__dict__, "_pending": [], "_spare_events": []}
 
     def reset(self) -> None:
         """Zero the totals (event pairs the device has not reached yet count after the reset)."""
         for key in self.decompress_ms:
-            self.decompress_ms[key] = 0.0
-            self.decompress_count[key] = 0
-        self.recompute_ms = 0.0
-        self.backward_ms = 0.0
+            self.decompress_ms[key], self.decompress_count[key] = 0.0, 0
+        self.recompute_ms = self.backward_ms = 0.0
 
     def _add_ms(self, key: _TimedKey, ms: float) -> None:
-        if key == _RECOMPUTE:
-            self.recompute_ms += ms
-        elif key == _BACKWARD:
-            self.backward_ms += ms
-        else:
+        if key in self.decompress_ms:
             self.decompress_ms[key] += ms
+        else:
+            setattr(self, key, getattr(self, key) + ms)
 
     def time_recompute(self, device: torch.device) -> ContextManager[None]:
         """Time a block's backward recompute (a no-op while ``enabled`` is False)."""

@@ -1,28 +1,11 @@
-"""Compressed weights in memory-mapped files, resident only while their layer runs (``weights="mmap"``).
-
-MeBP stores the frozen weights compressed and decompresses them lazily; on a phone the compressed
-weights themselves are memory-mapped from flash. :class:`MappedWeights` does the same: each
-compressed tensor is written once to its own file in a private temporary directory and replaced by
-a shared memory map of it. After a layer has decompressed its weight, :meth:`MappedWeights.release`
-drops the mapping's pages from the process (``madvise(MADV_DONTNEED)``): the bytes stay in the OS page
-cache (or on disk, under memory pressure) and the next use maps them back. The process's resident
-set then holds the compressed weights of the layers running now, not of the whole model.
-
-Linux and macOS only (``madvise``); CPU tensors only. The store holds its mappings weakly: they live
-as long as the tensors holding them, so a model moved off the CPU (``.to("cuda")``, ``_apply``) drops
-them, and with them their pages. A store releases only the mappings it made: a copy of the model
-(``copy.deepcopy``, pickle: EMA, SWA) holds its codes as ordinary heap tensors, which it keeps
-resident, and a tensor that replaced a mapped one is left alone, since ``MADV_DONTNEED`` on heap pages
-would zero them.
-
-The directory must be on a disk: on a RAM file system (tmpfs, a common ``/tmp``) the bytes stay in
-RAM, outside the process's RSS, and a warning says so. :func:`maps_at_conversion` and
-:func:`maps_for_training` are where ``weights="auto"`` is decided.
+"""Compressed weights in memory-mapped files, resident only while their layer runs (``weights="mmap"``), as
+MeBP maps them from flash on a phone: each tensor is written to a file and mapped back, and
+:meth:`MappedWeights.release` drops a layer's pages (``madvise(MADV_DONTNEED)``) after it decompressed them.
+Linux and macOS, CPU tensors only; the directory must be on a disk (on tmpfs the bytes stay in RAM).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import itertools
@@ -64,12 +47,8 @@ def filesystem_type(path: str) -> str | None:
     except OSError:
         return None
     real = os.path.realpath(path)
-    best: tuple[int, str | None] = (-1, None)
-    for mount_point, fs_type in mounts:
-        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) > best[0]:
-            best = (len(mount_point), fs_type)
-    return best[1]
+    holding = [(point, kind) for point, kind in mounts if real == point or real.startswith(point.rstrip("/") + "/")]
+    return max(holding, key=lambda mount: len(mount[0]))[1] if holding else None  # the innermost mount
 
 
 def mmap_supported() -> bool:
@@ -77,13 +56,9 @@ def mmap_supported() -> bool:
     return _MADVISE is not None
 
 
-#: File systems whose files are RAM: mapping them saves nothing.
-RAM_FILE_SYSTEMS: tuple[str, ...] = ("tmpfs", "ramfs")
-
-
 def on_ram_file_system(directory: str | None) -> bool:
-    """Whether ``directory`` (the system temp dir for None) is on a RAM file system."""
-    return filesystem_type(directory or tempfile.gettempdir()) in RAM_FILE_SYSTEMS
+    """Whether ``directory`` (the system temp dir for None) is on a RAM file system: mapping saves nothing there."""
+    return filesystem_type(directory or tempfile.gettempdir()) in ("tmpfs", "ramfs")
 
 
 def accelerator_available() -> bool:
@@ -97,12 +72,8 @@ _auto_reasons_logged: set[str] = set()
 
 
 def maps_for_training(weights: str, device: torch.device, directory: str | None) -> bool:
-    """Whether compressed weights that train on ``device`` go to memory-mapped files (``weights`` is
-    ``"auto"``, ``"mmap"`` or ``"ram"``; ``directory`` is ``offload_dir``).
-
-    ``"auto"`` maps them on the CPU where ``madvise`` exists and ``directory`` is on a disk; why it keeps
-    CPU weights in RAM is logged once per process and reason.
-    """
+    """Whether compressed weights that train on ``device`` go to memory-mapped files (``directory``:
+    ``offload_dir``); why ``"auto"`` keeps CPU weights in RAM is logged once per process and reason."""
     if weights != "auto" or device.type != "cpu":
         return weights == "mmap" and device.type == "cpu"
     reason = None
@@ -117,31 +88,18 @@ def maps_for_training(weights: str, device: torch.device, directory: str | None)
 
 
 def maps_at_conversion(weights: str, device: torch.device, directory: str | None) -> bool:
-    """Whether ``apply_mebp``/``load_compressed`` map the weights they compress on ``device`` right away.
-
-    ``"mmap"`` maps CPU weights; ``"auto"`` only where they will train where they are: on the CPU of a
-    machine without an accelerator (:func:`accelerator_available`). Otherwise ``QuantizedMeBP``
-    decides at fit start, when the model is on its training device (:func:`maps_for_training`).
-    """
+    """Whether ``apply_mebp``/``load_compressed`` map the weights they compress on ``device`` right away:
+    ``"auto"`` only on a machine without an accelerator; else ``QuantizedMeBP`` decides at fit start."""
     if weights == "auto" and accelerator_available():
         return False
     return maps_for_training(weights, device, directory)
 
 
 class MappedWeights:
-    """Writes compressed tensors to files and maps them back; see the module docstring.
+    """Writes compressed tensors to files in a temporary directory under ``parent_dir`` and maps them back.
 
-    Args:
-        parent_dir: Where the temporary directory is created (default: the system temp dir).
-
-    Example::
-
-        >>> store = MappedWeights()
-        >>> packed = store.map(Packed(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1)))
-        >>> store.release(packed.codes)
-        >>> int(packed.scales.sum())
-        4
-        >>> store.close()
+    Its mappings are held weakly: they live as long as the tensors holding them (a model moved off the CPU
+    drops them), and it releases only mappings it made (``MADV_DONTNEED`` on heap pages would zero them).
     """
 
     def __init__(self, parent_dir: str | None = None) -> None:
@@ -149,21 +107,15 @@ class MappedWeights:
             raise OSError(f"`weights='mmap'` needs madvise (Linux or macOS); this is {sys.platform}. Use weights='ram'.")
         self.parent_dir = parent_dir
         self.path = tempfile.mkdtemp(prefix="lcsb_mebp_weights_", dir=parent_dir)
-        if filesystem_type(self.path) in ("tmpfs", "ramfs"):
-            warnings.warn(
-                f"QuantizedMeBP's weights='mmap' directory {self.path} is on a RAM file system: the compressed "
-                "weights stay in RAM (as shared memory, outside the process's RSS); set offload_dir to a "
-                "directory on a disk.",
-                UserWarning,
-                stacklevel=3,
-            )
+        if on_ram_file_system(self.path):
+            warnings.warn(f"QuantizedMeBP's weights='mmap' directory {self.path} is on a RAM file system: the "
+                          "compressed weights stay in RAM (as shared memory, outside the process's RSS); set "
+                          "offload_dir to a directory on a disk.", UserWarning, stacklevel=3)
         self._counter = itertools.count()
         self.bytes_mapped = 0
-        # Each mapping this store made, by start address, held weakly: a mapping lives as long as a
-        # tensor holds it, and while it lives no other allocation can have its address.
+        # By start address: while a mapping lives no other allocation can have its address.
         self._mappings: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
-        atexit.register(self._finalizer)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)  # also runs at exit
 
     def _map_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         path = os.path.join(self.path, f"{next(self._counter)}.bin")
@@ -180,8 +132,7 @@ class MappedWeights:
 
     def map(self, packed: Packed) -> Packed:
         """A copy of ``packed`` whose codes, scales (and minimums) live in memory-mapped files."""
-        mins = self._map_tensor(packed.mins) if packed.mins is not None else None
-        return Packed(self._map_tensor(packed.codes), self._map_tensor(packed.scales), mins)
+        return Packed(*map(self._map_tensor, packed.tensors()))
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or the tensor it is a view of) is one of this store's live mappings."""
@@ -195,25 +146,18 @@ class MappedWeights:
         return sum(ref() is not None for ref in self._mappings.values())
 
     def release(self, tensor: torch.Tensor) -> None:
-        """Drop the resident pages of a mapped tensor (its values stay; the next read maps them back).
-
-        A no-op for a tensor this store did not map (a copy's heap codes, a tensor moved to another
-        device): ``MADV_DONTNEED`` would zero its pages and those of its neighbours.
-        """
+        """Drop the resident pages of a tensor this store mapped (the next read maps them back); else a no-op."""
         if _MADVISE is None or not self.owns(tensor):
             return
         storage = tensor.untyped_storage()
         _MADVISE(storage.data_ptr(), storage.nbytes(), _MADV_DONTNEED)  # a whole mapping: page-aligned
 
     def close(self) -> None:
-        """Remove the (empty) temporary directory. The store holds no mapping: each stays valid, and is
-        released after use, as long as a tensor holds it."""
+        """Remove the (empty) temporary directory; the mappings stay valid as long as tensors hold them."""
         self._finalizer()
-        atexit.unregister(self._finalizer)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (deepcopy, pickle) of a model holds its codes in RAM; the store itself starts empty,
-        owning no mapping, so it never releases the copy's heap codes."""
+        """A copy (deepcopy, pickle) holds its codes in RAM: its store starts empty and never releases them."""
         return {"parent_dir": self.parent_dir}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

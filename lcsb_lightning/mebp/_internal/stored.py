@@ -1,12 +1,6 @@
-"""The base of the stored weight formats (:mod:`~lcsb_lightning.mebp._internal.formats` names them).
-
-A stored format keeps a 2-D weight ``(out, in)`` as codes, one scale per group of ``group_size``
-consecutive weights of a row and, if it is asymmetric, one minimum: ``w = value(code) * scale (+ minimum)``.
-The products are float32 rounded as gguf's numpy code rounds them (the product, then the minimum), so
-that GGUF blocks kept as they are dequantize bit for bit as ``gguf.quants.dequantize`` does. Codes are
-a uint8 tensor ``(out, in // 2)`` (two codes of at most 4 bits a byte, the first in the high nibble) or
-``(out, in)`` (one a byte); scales and minimums are ``(out, in // group_size)``, so that rows (embedding
-lookups, output chunks) dequantize alone.
+"""The base of the stored weight formats: codes, a scale per group of a row and, if asymmetric, a minimum,
+``w = value(code) * scale (+ minimum)``, the product rounded first as gguf's numpy code rounds it, so that GGUF
+blocks kept as they are dequantize bit for bit. Rows dequantize alone (embedding lookups, output chunks).
 """
 
 from __future__ import annotations
@@ -36,25 +30,19 @@ class Packed:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 def select_rows(packed: Packed, index: torch.Tensor | slice) -> Packed:
     """The compressed rows ``index`` of ``packed`` (an embedding lookup or an output chunk)."""
-    mins = packed.mins[index] if packed.mins is not None else None
-    return Packed(packed.codes[index], packed.scales[index], mins)
+    return Packed(*(tensor[index] for tensor in packed.tensors()))
 
 
 class StoredFormat:
-    """Integer codes, a scale per group and, if ``asymmetric``, a minimum: ``value(code) * scale (+ minimum)``.
-
-    A subclass sets the class attributes; one with a ``name`` is registered as a singleton.
+    """Integer codes, a scale per group and, if ``asymmetric``, a minimum; a subclass with a ``name`` registers
+    its singleton.
 
     Attributes:
         name: What ``CompressedLinear.fmt`` and the logs call it.
-        code_bits: Bits of one code's value. Up to 4 they are packed two a byte, else one a byte.
+        code_bits: Bits of one code's value: up to 4 packed two a byte (the first in the high nibble), else one.
         signed: Values centred on zero: a packed code is ``value + 8``, a byte code the value as int8.
         asymmetric: A minimum per group, added after the product (unsigned values then).
         scale_dtype: dtype of the scales and minimums.
@@ -92,38 +80,14 @@ class StoredFormat:
         """Fail on a ``group_size`` this format cannot use (any even one here)."""
 
     def error_bound(self) -> float:
-        """Largest round-trip error of one weight, as a fraction of its group's largest magnitude.
-
-        Rounding to the nearest multiple of ``absmax / levels`` errs by at most half a step; the
-        asymmetric formats step ``(max - min) / levels <= 2 absmax / levels``. Scales stored in fp16 add
-        ``2^-9`` for their rounding.
-
-        Example::
-
-            >>> from lcsb_lightning.mebp._internal.formats import get_format
-            >>> round(get_format("int4").error_bound(), 4)
-            0.0714
-        """
+        """Largest round-trip error of one weight, as a fraction of its group's largest magnitude: half a step
+        (asymmetric steps are ``(max - min) / levels <= 2 absmax / levels``), plus ``2^-9`` for fp16 scales."""
         half_step = 1 / (2**self.code_bits - 1) if self.asymmetric else 0.5 / (2 ** (self.code_bits - 1) - 1)
         return half_step + (2.0**-9 if self.scale_dtype == torch.float16 else 0.0)
 
     def allocate(self, shapes: list[tuple[int, int]], group_size: int, device: torch.device | str = "cpu") -> list[Packed]:
-        """Empty :class:`Packed` tensors for weights of ``shapes``, all views of one byte buffer.
-
-        One allocation for all codes, scales and minimums: the allocator serves it outside its heap
-        (glibc maps allocations this large directly), so the heap holds only the short-lived
-        temporaries of quantizing and training and stays small, instead of growing around hundreds of
-        compressed tensors placed among those temporaries.
-
-        Example::
-
-            >>> from lcsb_lightning.mebp._internal.formats import get_format
-            >>> first, second = get_format("int4").allocate([(4, 64), (2, 32)], group_size=32)
-            >>> first.codes.shape, second.scales.shape
-            (torch.Size([4, 32]), torch.Size([2, 1]))
-            >>> first.codes.untyped_storage().data_ptr() == second.codes.untyped_storage().data_ptr()
-            True
-        """
+        """Empty :class:`Packed` tensors for weights of ``shapes``, all views of one byte buffer: an allocation
+        this large is served outside the heap, which then does not grow around hundreds of compressed tensors."""
         per_byte, itemsize, align = self.codes_per_byte, self.scale_dtype.itemsize, 8  # 8: viewable as any dtype
         for _, cols in shapes:
             if cols % group_size or cols % per_byte:
@@ -142,20 +106,8 @@ class StoredFormat:
         return out
 
     def quantize(self, weight: torch.Tensor, group_size: int, out: Packed | None = None) -> Packed:
-        """Compress a 2-D weight ``(out, in)``; ``group_size`` must divide ``in``. With ``out`` (e.g. a slot
-        from :meth:`allocate`) it is written there. Rows go in slices of :data:`QUANTIZE_CHUNK_ELEMENTS` weights.
-
-        Example::
-
-            >>> from lcsb_lightning.mebp._internal.formats import get_format
-            >>> w = torch.randn(8, 64)
-            >>> int4 = get_format("int4")
-            >>> p = int4.quantize(w, 32)
-            >>> p.codes.shape, p.scales.shape
-            (torch.Size([8, 32]), torch.Size([8, 2]))
-            >>> bool((int4.dequantize(p, 32, torch.float32) - w).abs().max() < 0.5)
-            True
-        """
+        """Compress a 2-D weight ``(out, in)`` (into ``out``, a slot from :meth:`allocate`, if given), in slices
+        of :data:`QUANTIZE_CHUNK_ELEMENTS` weights."""
         if weight.dim() != 2:
             raise ValueError(f"Expected a 2-D weight, got shape {tuple(weight.shape)}.")
         rows, cols = weight.shape
@@ -201,16 +153,9 @@ class StoredFormat:
 
     def dequantize(self, packed: Packed, group_size: int, dtype: torch.dtype, out: torch.Tensor | None = None,
                    index_buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Decompress to a ``(out, in)`` tensor of ``dtype`` (rows may be any subset, see :func:`select_rows`).
-
-        Args:
-            packed: The compressed rows.
-            group_size: Weights per scale.
-            dtype: Dtype of the result.
-            out: Optional ``(out, in)`` tensor of ``dtype`` to write into (no allocation of the result).
-            index_buffer: With ``out``, for packed codes: an int32 scratch tensor of shape ``(r, in // 2)``;
-                the codes are looked up ``r`` rows at a time (no allocation at all).
-        """
+        """Decompress ``packed`` (any rows, :func:`select_rows`) to a ``(out, in)`` tensor of ``dtype``, into
+        ``out`` if given; ``index_buffer``, an int32 ``(r, in // 2)`` scratch, looks packed codes up ``r`` rows at
+        a time without allocating."""
         codes = packed.codes
         rows, cols = codes.shape[0], self.columns(packed)
         if out is not None and (tuple(out.shape) != (rows, cols) or out.dtype != dtype):

@@ -1,19 +1,4 @@
-"""Reusable decompression buffers, so that every decompression does not allocate a fresh weight.
-
-A decompressed weight lives for one matmul (forward, backward), or from a block's backward
-recompute to that layer's backward. A :class:`DecompressionWorkspace` keeps the free buffers (flat,
-per dtype and device) and lends them out as views; the borrower gives a buffer back as soon as
-nothing will read it again, so after the first step no decompression allocates. A buffer that is
-never given back (a dropped graph) is freed by Python as usual, and the workspace allocates a new one.
-
-Example::
-
-    >>> workspace = DecompressionWorkspace()
-    >>> first = workspace.borrow((4, 8), torch.float32, torch.device("cpu"))
-    >>> workspace.give_back(first)
-    >>> workspace.borrow((4, 8), torch.float32, torch.device("cpu")).data_ptr() == first.data_ptr()
-    True
-"""
+"""Reusable decompression buffers: after the first step no decompression allocates a fresh weight."""
 
 from __future__ import annotations
 
@@ -28,15 +13,10 @@ import torch
 class DecompressionWorkspace:
     """Free flat buffers per dtype and device, lent out as views of the requested shape.
 
-    A request takes the smallest free buffer that is large enough (a ``(896, 896)`` weight may reuse
-    the buffer of a ``(4864, 896)`` one), or allocates one of exactly its size. Per dtype and device it
-    keeps as many free buffers as were ever lent at once (the largest ones), at most ``max_free_per_key``:
-    a checkpointed block lends one weight per Linear from its recompute to its backward, while layers
-    that decompress one at a time (``keep_recomputed_weights=False``) settle on one buffer, the largest
-    weight's, which serves every layer.
-
-    Args:
-        max_free_per_key: The most free buffers kept per dtype and device.
+    A request takes the smallest free buffer that is large enough, or allocates one of exactly its size.
+    Per dtype and device it keeps as many free buffers as were ever lent at once (the largest ones), at most
+    ``max_free_per_key``: with ``keep_recomputed_weights=False`` one buffer, the largest weight's, serves every
+    layer. A buffer never given back (a dropped graph) is freed by Python as usual.
     """
 
     def __init__(self, max_free_per_key: int = 8) -> None:
@@ -44,9 +24,8 @@ class DecompressionWorkspace:
             raise ValueError(f"`max_free_per_key` must be >= 1, got {max_free_per_key}.")
         self.max_free_per_key = max_free_per_key
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        # Lent buffers by storage address, held weakly: one whose borrower dropped it (a dropped
-        # graph) is freed as usual. Aliases the borrower hands back (a view, autograd's unpacked
-        # copy of the handle) share the address; anything else is not ours and is ignored.
+        # Lent buffers by storage address, held weakly; aliases handed back (a view, autograd's unpacked
+        # copy of the handle) share the address.
         self._lent: weakref.WeakValueDictionary[tuple[int, torch.device], torch.Tensor] = weakref.WeakValueDictionary()
         self._most_lent: dict[tuple[torch.dtype, torch.device], int] = {}  # the most lent at once, per key
         self._lock = threading.Lock()  # CUDA runs backward on autograd's own threads
@@ -76,8 +55,7 @@ class DecompressionWorkspace:
         return flat[:numel].view(dims)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        """Return a tensor from :meth:`borrow` (or any alias of it: a view, a detached copy of the
-        handle); the caller must not read or write it afterwards. Other tensors are ignored."""
+        """Return a tensor from :meth:`borrow` (or an alias of it), not to be used afterwards; others are ignored."""
         lent_key = (tensor.untyped_storage().data_ptr(), tensor.device)
         with self._lock:
             flat = self._lent.pop(lent_key, None)
