@@ -56,8 +56,7 @@ def _largest_homogeneous_module_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _candidate_roots(model: nn.Module, max_depth: int = 3) -> list[nn.Module]:
-    """``model`` then its submodules breadth-first (each unwrapped), so that a LightningModule holding
-    a Hugging Face or peft model as ``self.model`` is searched through."""
+    """``model`` then its submodules breadth-first (each unwrapped): a LightningModule's ``self.model`` is searched."""
     roots, frontier = [model], [model]
     for _ in range(max_depth):
         frontier = [unwrap_model(child) for parent in frontier for child in parent.children()]
@@ -84,8 +83,7 @@ def _class_names(module: nn.Module) -> set[str]:
 
 
 def _stacks_of_classes(model: nn.Module, class_names: set[str]) -> list[Stack]:
-    """The non-empty ``nn.ModuleList``s of ``model`` whose items all are of ``class_names``, in the order
-    the model registers them (not one inside another)."""
+    """The outermost non-empty ``nn.ModuleList``s of ``model`` whose items all are of ``class_names``, in order."""
     stacks: list[Stack] = []
     for path, module in model.named_modules():
         if (isinstance(module, nn.ModuleList) and len(module) and not any(path.startswith(f"{f}.") for f, _ in stacks)
@@ -145,10 +143,9 @@ def _report(stacks: list[Stack], outside: list[Stack]) -> None:
 def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module]:
     """Return the ordered transformer blocks of ``model``.
 
-    ``"auto"`` prefers the ``nn.ModuleList`` objects of the block classes a Hugging Face model declares
-    (``_no_split_modules``), then one of :data:`KNOWN_BLOCK_PATHS`, then the longest ``nn.ModuleList`` of same-class
-    modules. An encoder-decoder's blocks come as one list in execution order (the decoder's top last, nearest the
-    loss), named in an info message.
+    ``"auto"`` prefers the block classes a Hugging Face model declares (``_no_split_modules``), then
+    :data:`KNOWN_BLOCK_PATHS`, then the longest ``nn.ModuleList`` of same-class modules; an encoder-decoder's blocks
+    come as one list in execution order.
 
     Args:
         model: A Hugging Face model (optionally wrapped by peft) or a plain torch model.
@@ -181,9 +178,7 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = "auto") -> list[nn.Module
             found_obj = _get_dotted(root, blocks)
             if isinstance(found_obj, (nn.ModuleList, nn.Sequential, list, tuple)) and len(found_obj) > 0:
                 return list(found_obj)
-        raise ValueError(
-            f"`blocks={blocks!r}` does not name a non-empty nn.ModuleList on {type(base).__name__}."
-        )
+        raise ValueError(f"`blocks={blocks!r}` does not name a non-empty nn.ModuleList on {type(base).__name__}.")
     stacks, outside = _declared_stacks(base)
     if not stacks:
         stacks = _known_path_stacks(base)
@@ -216,9 +211,7 @@ class BlockParams:
 
 
 def map_trainable_params(model: nn.Module, blocks: BlocksSpec = "auto") -> BlockParams:
-    """Group the parameters that currently require grad by block.
-
-    Must be called before any ``requires_grad`` toggling (it takes the user's trainable set as it is).
+    """Group the parameters that currently require grad by block (call it before any ``requires_grad`` toggling).
 
     Raises:
         ValueError: if no block holds a trainable parameter.
@@ -258,9 +251,8 @@ def _reduction_key(grad: torch.Tensor) -> tuple[object, tuple[int, ...]] | None:
 
 
 def block_grad_norms(params_per_block: list[list[torch.Tensor]]) -> torch.Tensor:
-    """The L2 norm of each block's gradients (0 for a block without any), as one float32 tensor on the
-    gradients' device, without a read-back. Sharded DTensor gradients (FSDP2) are summed across ranks by one
-    ``all_reduce`` per mesh and sharded mesh dim for all blocks together."""
+    """The L2 norm of each block's gradients (0 for a block without any), as one float32 tensor without a read-back;
+    sharded DTensor gradients (FSDP2) take one ``all_reduce`` per mesh and sharded dim for all blocks together."""
     grads = [[p.grad.detach() for p in params if p.grad is not None] for params in params_per_block]
     flat = [g for block in grads for g in block]
     if not flat:
@@ -289,6 +281,5 @@ def block_grad_norms(params_per_block: list[list[torch.Tensor]]) -> torch.Tensor
 
 
 def grad_norms(params_per_block: list[list[torch.Tensor]]) -> list[float]:
-    """L2 norm of each block's gradients (0.0 for a block without any), read back once; see
-    :func:`block_grad_norms`."""
+    """:func:`block_grad_norms`, read back once."""
     return block_grad_norms(params_per_block).tolist()

@@ -42,16 +42,11 @@ def _check_strategy(trainer: Trainer) -> None:
 class LCSBCallback(FitScopedCallback):
     r"""Back-propagate only a subset of transformer blocks at each optimizer step.
 
-    At each optimizer step the policy picks ``k`` of the model's ``N`` blocks; the others are cut out of the backward
-    pass (see ``backward``) and their trainable (LoRA) parameters receive an exact zero gradient. ``requires_grad`` is
-    never changed, so the optimizer and the strategy see the trainable set ``configure_optimizers`` saw. The callback
-    installs itself in ``on_fit_start`` on the model as Lightning trains it, and removes itself when fit ends or fails.
-
-    The defaults won this project's study on SmolLM2 (docs/results.md): ``policy="dyadic"`` with
-    ``backward="all_reached"`` back-propagates, exactly, the top N/4 blocks every step, N/2 every second step and all
-    of them every fourth. The LCSB paper's method is ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
-    Every rank selects the same blocks, and every trainable parameter gets a gradient at every step, so plain
-    ``strategy="ddp"`` works without ``find_unused_parameters``; FSDP2 works too, DeepSpeed is refused.
+    The policy picks ``k`` of the ``N`` blocks per step; the others are cut out of the backward (see ``backward``) and
+    their trainable parameters get an exact zero gradient, ``requires_grad`` untouched, so plain DDP needs no
+    ``find_unused_parameters`` (FSDP2 works too, DeepSpeed is refused). Installed in ``on_fit_start``, removed when fit
+    ends or fails. The defaults won docs/results.md's study; the LCSB paper's method is
+    ``LCSBCallback("cyclic", fraction=0.25, backward="identity")``.
 
     Args:
         policy: a registered policy name (``"dyadic"``, ``"cyclic"``, ``"random"``, ``"grad_norm"``, ``"full"``,
@@ -69,8 +64,7 @@ class LCSBCallback(FitScopedCallback):
         seed: seed of the generator of a policy built by name (default 0); a policy instance carries its own.
         log_every_n_steps: optimizer steps between block-selection images (``0`` disables them).
         probe_every: every this many optimizer steps (``0``: never), the exact gradient once more on the same batch,
-            and per trained block the cosine and norm ratio of the step's to it (``lcsb/probe/*``,
-            :attr:`probe_results`).
+            and per trained block the cosine and norm ratio of the step's to it (:attr:`probe_results`).
 
     Example::
 
@@ -261,8 +255,7 @@ class LCSBCallback(FitScopedCallback):
 
 
 def _training_loss(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
-    """The loss of ``training_step`` run once more, in the training's precision, with its logging off (a re-run that
-    logs would count its values twice in the epoch's aggregates)."""
+    # logging muted: a re-run that logs would count its values twice in the epoch's aggregates
     with logging_muted(pl_module), trainer.precision_plugin.train_step_context():
         out = pl_module.training_step(batch, batch_idx)
     return out["loss"] if isinstance(out, dict) else out
@@ -273,8 +266,7 @@ _LOG_METHODS = ("log", "log_dict")
 
 @contextmanager
 def logging_muted(pl_module: LightningModule) -> Iterator[None]:
-    """``pl_module.log`` and ``pl_module.log_dict`` do nothing inside the block, and are what they were after it (an
-    instance attribute put back, or none left)."""
+    """``pl_module.log`` and ``pl_module.log_dict`` do nothing inside the block, and are restored after it."""
     own = {name: vars(pl_module)[name] for name in _LOG_METHODS if name in vars(pl_module)}
     for name in _LOG_METHODS:
         setattr(pl_module, name, _no_log)

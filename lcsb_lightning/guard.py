@@ -30,12 +30,10 @@ class DivergenceGuard(FitScopedCallback):
       rates) is multiplied by ``lr_factor``, and the step makes no update;
     - ``"stop"``: the step makes no update and the fit stops, with a message naming the step and the reason.
 
-    A non-finite value is acted on at once, a spike only when it lasts: a single batch far above the median is what a
-    heavy-tailed loss (a one-token classification loss) looks like, so shorter spikes are trained on and enter the
-    median (``patience=1``: the single-step rule). The guard wraps each optimizer's ``step`` for the fit, so that the
-    real step runs only if the guard let it through, whatever the order of the callbacks (another one may recreate the
-    gradients the guard cleared). Under several processes the loss and the flags are all-reduced first, so every rank
-    decides the same. Every event goes to the loggers (``guard/events``) and to :attr:`events`.
+    A non-finite value is acted on at once, a spike only when it lasts: a heavy-tailed loss (a one-token
+    classification loss) has single batches far above the median, so shorter spikes are trained on. The guard wraps
+    each optimizer's ``step`` for the fit, so the step runs only if the guard let it through, whatever the callbacks'
+    order. Under several processes every rank decides the same. Events go to the loggers and :attr:`events`.
 
     Args:
         action: ``"skip"``, ``"rollback"`` or ``"stop"``.
@@ -54,10 +52,8 @@ class DivergenceGuard(FitScopedCallback):
         trainer = Trainer(callbacks=[LCSBCallback(), DivergenceGuard(action="rollback")])
     """
 
-    def __init__(
-        self, action: str = "skip", spike_factor: float = 4.0, window: int = 50, warmup: int = 20,
-        lr_factor: float = 0.5, snapshot_every: int = 25, patience: int = 5
-    ) -> None:
+    def __init__(self, action: str = "skip", spike_factor: float = 4.0, window: int = 50, warmup: int = 20,
+                 lr_factor: float = 0.5, snapshot_every: int = 25, patience: int = 5) -> None:
         if action not in ACTIONS:
             raise ValueError(f"`action={action!r}` is not supported; allowed: {', '.join(ACTIONS)}.")
         if not spike_factor > 1:
@@ -160,8 +156,7 @@ class DivergenceGuard(FitScopedCallback):
 
     @staticmethod
     def _agree(trainer: Trainer, loss: float | None, non_finite_grad: bool) -> tuple[float | None, int, bool]:
-        """The mean loss over the ranks, how many ranks saw a non-finite loss, and whether any saw a
-        non-finite gradient (under FSDP each rank checks its own shards): the same on every rank."""
+        """The mean loss over the ranks, how many saw a non-finite loss, and whether any saw a non-finite gradient."""
         finite = loss is not None and math.isfinite(loss)
         if trainer.world_size == 1:
             return loss, int(loss is not None and not finite), non_finite_grad
@@ -173,11 +168,9 @@ class DivergenceGuard(FitScopedCallback):
             return math.nan, int(non_finite), bad_grad > 0
         return (total / counted if counted else None), 0, bad_grad > 0
 
-    def _judge(
-        self, loss: float | None, non_finite_loss: int, non_finite_grad: bool, world: int = 1
-    ) -> tuple[str | None, bool]:
-        """Updates the running statistic; returns the reason to act (``None``: let the step through) and
-        whether the step was clean (no spike)."""
+    def _judge(self, loss: float | None, non_finite_loss: int, non_finite_grad: bool,
+               world: int = 1) -> tuple[str | None, bool]:
+        """Updates the running statistic; returns the reason to act (``None``: none) and whether there was no spike."""
         if non_finite_loss:
             where = f" on {non_finite_loss} of {world} processes" if world > 1 else ""
             return f"non-finite loss {loss}{where}", False

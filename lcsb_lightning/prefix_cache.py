@@ -1,12 +1,8 @@
 """Plain-torch core of progressive freezing: the lowest blocks run without a graph and their output is reused.
 
-Once the ``k`` lowest blocks (and an input embedding below them) are frozen, block ``k``'s input depends on the
-example alone. :class:`FrozenPrefix` runs them under ``no_grad``, stores block ``k - 1``'s output per training example
-the first time (in host memory, see :mod:`lcsb_lightning.prefix_store`), and hands it to block ``k`` for every later
-batch whose examples are all stored (AutoFreeze / Egeria). Only the first forward pass after
-:meth:`~FrozenPrefix.set_batch` replays or stores; evaluation and a pass with no batch set run the blocks as they are.
-The caller freezes the prefix's parameters (:class:`~lcsb_lightning.freezing.ProgressiveFreezing` does); an active
-dropout in it would make a stored output one sample of it, so a freeze that finds one stores nothing, with a warning.
+Once the ``k`` lowest blocks are frozen, block ``k``'s input depends on the example alone, so block ``k - 1``'s
+output is stored per training example (:mod:`lcsb_lightning.prefix_store`) and replayed (AutoFreeze / Egeria). Only
+the first forward after :meth:`~FrozenPrefix.set_batch` replays or stores. The caller freezes the prefix's parameters.
 """
 
 from __future__ import annotations
@@ -164,8 +160,7 @@ class FrozenPrefix:
 
     @property
     def padding_read(self) -> bool | None:
-        """Whether the loss reads the frozen blocks' output at padded positions (:mod:`~lcsb_lightning.prefix_store`);
-        None until a step's gradient has shown it."""
+        """Whether the loss reads the frozen blocks' output at padded positions (None until a gradient showed it)."""
         return self.store.padding_read
 
     @property
@@ -178,11 +173,7 @@ class FrozenPrefix:
         return index < self.frozen and self.batch is not None and self.blocks[index].training
 
     def freeze(self, num_blocks: int) -> None:
-        """Freeze the ``num_blocks`` lowest blocks.
-
-        A freeze that grows keeps the stored outputs as where the newly frozen blocks start from, once per example;
-        any other change empties the store.
-        """
+        """Freeze the ``num_blocks`` lowest blocks (growing seeds from the stored outputs, other changes clear them)."""
         if not 0 <= num_blocks <= len(self.blocks):
             raise ValueError(f"`num_blocks={num_blocks}` is outside 0..{len(self.blocks)} (the model's blocks).")
         if num_blocks > self.frozen > 0:

@@ -1,12 +1,8 @@
 """Plain-torch core of selective backpropagation: how a block that is not selected takes part in a step.
 
-A *cut* block runs its forward under ``no_grad`` and its output enters the graph through :class:`IdentityPath`: the
-block's exact output, whose backward passes the incoming gradient unchanged to the block's input (the residual path)
-and gives each trainable parameter an exact zero gradient. ``requires_grad`` never changes and every trainable
-parameter gets a gradient at every step, so plain DDP needs no ``find_unused_parameters``. Each block's
-:class:`SelectiveForward` is in one mode: ``train`` (selected: runs as usual), ``skip`` (the paper's identity path:
-always cut) or ``pass`` (exact gradients: runs as usual above the lowest selected block, cut below it). Below the
-lowest selected block nothing gets a gradient path: trainable tensors there (an embedding) get exact zeros.
+A *cut* block runs under ``no_grad`` and its output enters the graph through :class:`IdentityPath` (exact zero
+gradients to its parameters). Each block's :class:`SelectiveForward` is in one mode: ``train`` (selected), ``skip``
+(the paper's identity path: always cut) or ``pass`` (runs as usual above the lowest selected block, cut below it).
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ class SelectiveForward:
     name = SELECTIVE_WRAPPER
     persistent = False  # owned by one fit: copies and pickles of the model leave it out
 
-    def __init__(
-        self, params: Sequence[nn.Parameter] = (), sinks: _Sinks | None = None, first: bool = False, index: int = 0
-    ) -> None:
+    def __init__(self, params: Sequence[nn.Parameter] = (), sinks: _Sinks | None = None, first: bool = False,
+                 index: int = 0) -> None:
         self.params = list(params)
         self.sinks = sinks if sinks is not None else _Sinks()
         self.first = first
@@ -178,9 +173,6 @@ def is_skipped(block: nn.Module) -> bool:
 class SelectiveBackprop:
     """Installs :class:`SelectiveForward` on a list of blocks and switches which blocks are selected.
 
-    ``set_selection`` before the forward pass decides which blocks are back-propagated; with gradients disabled every
-    block runs unchanged.
-
     Args:
         blocks: The transformer blocks, in order.
         params_per_block: The trainable parameters of each block (they get zero gradients when cut).
@@ -202,10 +194,8 @@ class SelectiveBackprop:
         >>> sb.remove()
     """
 
-    def __init__(
-        self, blocks: Sequence[nn.Module], params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
-        backward: str = "identity"
-    ) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], params_per_block: Sequence[Sequence[nn.Parameter]] | None = None,
+                 backward: str = "identity") -> None:
         if backward not in ("identity", "selected_only"):
             raise ValueError(f"`backward={backward!r}` is not supported; allowed: identity, selected_only.")
         self.blocks = list(blocks)
