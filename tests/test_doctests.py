@@ -17,6 +17,7 @@ MODULES = [
     "lcsb_lightning.policies.stochastic",
     "lcsb_lightning.bench.spec",
     "lcsb_lightning.bench.cost_model",
+    "lcsb_lightning.bench.time_to_quality",
     "lcsb_lightning.forward_wrap",
     "lcsb_lightning.recipes.config",
     "lcsb_lightning.validation",

@@ -18,9 +18,8 @@ Point = tuple[int, float, float]  # (step, train seconds, eval loss)
 
 @dataclass(frozen=True)
 class PhasedStepTime:
-    """The training wall-clock of an arm whose step changes during the run (a run's own step time per epoch,
-    :func:`recorded_step_time`): ``phases`` are ``(steps, seconds per step)`` in order, the last one
-    open-ended (``steps=None``).
+    """The training wall-clock of an arm whose step time changes during the run: ``phases`` are ``(steps, seconds
+    per step)`` in order, the last one open-ended (``steps=None``).
 
     Example::
 
@@ -53,10 +52,9 @@ class PhasedStepTime:
 
 
 def recorded_step_time(result: Mapping[str, Any], steps_per_epoch: int | None = None) -> PhasedStepTime:
-    """A run's own step time, for runs without a ``recipe_speed`` timing: the mean of its recorded train
-    seconds per step over each epoch of ``steps_per_epoch`` steps (``None``: the whole run as one), the last
-    one continuing past the run. Means, as in the recipe loop's timing (a run's wall-clock is the sum of its
-    steps, and a dyadic cycle's deep steps are its slow ones); the run's first step, its warm-up, does not count.
+    """A run's own step time, for runs without a ``recipe_speed`` timing: the mean recorded train seconds per step
+    of each epoch of ``steps_per_epoch`` steps (``None``: the whole run), the last one continuing past the run.
+    Means, as in the recipe loop's timing; the run's first step, its warm-up, does not count.
 
     Example::
 
@@ -107,11 +105,8 @@ def timed_as_step_times(arms: Mapping[str, Mapping[str, Any]],
 
 
 def eval_curve(result: Mapping[str, Any], per_step: StepTime | None = None) -> list[Point]:
-    """``(step, train seconds, eval loss)`` of every evaluation of a run, by step (step 0 included).
-
-    Without ``per_step`` the seconds are the run's own: the recorder's train time at each mid-run
-    evaluation, and its total at the last step.
-    """
+    """``(step, train seconds, eval loss)`` of every evaluation of a run, by step (step 0 included); without
+    ``per_step`` the seconds are the recorder's own."""
     curves = result["curves"]
     recorded = {int(e["step"]): float(e["train_seconds"]) for e in curves.get("evals", [])}
     last = max(int(s) for s in result["eval_at_steps"])
@@ -155,16 +150,15 @@ def loss_at(curve: Sequence[Point], seconds: float) -> float | None:
 
 
 def best_of_sweep(results: Sequence[Mapping[str, Any]], candidates: Sequence[str]) -> list[Row]:
-    """``results`` with each task's baseline the best of a sweep: of the baseline arm and the ``candidates`` arms
-    (full backprop at other learning rates, say), the equal-steps run with the lowest final eval loss becomes
-    every run's baseline in that task, so that time to quality is measured against the best full backprop of
-    the sweep, not one setting of it. Runs are copied; without ``candidates`` they are returned as they are.
+    """``results`` (copied) with each task's baseline the best of a sweep: of the baseline arm and the ``candidates``
+    arms (full backprop at other learning rates, say), the equal-steps run with the lowest final eval loss becomes
+    every run's baseline in that task.
 
     Example::
 
         >>> def run(arm, base, final):
         ...     return {"name": arm, "baseline": base, "labels": {"task": "t", "arm": arm, "run": "steps"},
-        ...             "eval_at_steps": {"0": {"val/loss": 4.0}, "9": {"val/loss": final}}}
+        ...             "curves": {}, "eval_at_steps": {"0": {"val/loss": 4.0}, "9": {"val/loss": final}}}
         >>> swept = best_of_sweep([run("full", None, 3.0), run("full_lr", "full", 2.8), run("fast", "full", 2.9)],
         ...                       ["full_lr"])
         >>> [(r["name"], r["baseline"]) for r in swept]
@@ -196,15 +190,10 @@ def time_to_quality_rows(
     step_seconds: Mapping[tuple[str, str], StepTime] | None = None,
     share: float = 0.9,
 ) -> list[Row]:
-    """One row per task x arm (equal-steps runs): when it reaches ``share`` of full backprop's improvement,
-    as a ratio to full backprop's time (below 1: faster to quality), and its final eval loss when it
-    trains for full backprop's wall-clock with its own schedule fitted to it (its ``wallclock`` twin).
-    An arm that does not reach the target within the equal steps is timed on its twin's curve, if any
-    (``reached_in``: ``"equal steps"`` or ``"own schedule"``).
-
-    The ratio splits into ``steps_ratio`` (its steps to the target over full backprop's: how much less it
-    learns per step) times ``step_time_ratio`` (its mean step time up to the target over full backprop's:
-    how much cheaper its steps are), so a row says which of the two decides it.
+    """One row per task x arm (equal-steps runs): when it reaches ``share`` of full backprop's improvement, as a
+    ratio to full backprop's time, and its eval loss at full backprop's wall-clock on its own schedule (its
+    ``wallclock`` twin, whose curve also times an arm that misses the target within the equal steps). The ratio is
+    ``steps_ratio`` (steps to the target over full backprop's) times ``step_time_ratio`` (mean step time over its).
 
     Raises:
         ValueError: ``share`` is not in (0, 1].
@@ -252,8 +241,7 @@ def time_to_quality_rows(
 
 
 def _twin_loss_at(twin_curve: Sequence[Point], seconds: float) -> float:
-    """An equal-wall-clock twin's eval loss at the baseline's wall-clock: read off its curve (a baseline chosen by
-    ``best_of_sweep`` may have taken a little less time than the one the twin was sized to), else its final loss."""
+    # a baseline chosen by best_of_sweep may have taken a little less time than the one the twin was sized to
     at = loss_at(twin_curve, seconds)
     return twin_curve[-1][2] if at is None else at
 
@@ -297,8 +285,7 @@ def ratios_by_share(
 
 def step_time_by_epoch(results: Sequence[Mapping[str, Any]], steps_per_epoch: int) -> list[Row]:
     """Per arm (equal-steps runs), the mean recorded train seconds per step of each epoch of ``steps_per_epoch``
-    steps (:func:`recorded_step_time`), and the recorded total: where a run's step changes from epoch to epoch
-    (``ProgressiveFreezing``).
+    steps (:func:`recorded_step_time`), and the recorded total.
 
     Example::
 
