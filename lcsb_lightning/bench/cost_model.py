@@ -1,9 +1,7 @@
 """The step-cost model across scales: a step costs ``a + b·d`` of full backprop's, ``d`` the backward's depth.
 
-For every random-init shape and pipeline (``mebp`` option), fixed-depth arms (``policy=top_only``, ``fraction=d``, the
-exact ``all_reached`` backward) alternate in the recipe's loop (:func:`~lcsb_lightning.bench.recipe_speed.time_task`);
-least squares on ``t(d) / t_full`` gives ``a`` and ``b``, and the same fit per phase splits ``a`` (:data:`SPLIT`). The
-projection (:func:`projected_ratio`, :func:`break_even`) is on paper: steps ratio ``s`` at depth ``d``: ``s (a + b d)``.
+For every random-init shape and ``mebp`` pipeline, fixed-depth arms alternate in the recipe's loop; least squares on
+``t(d) / t_full`` gives ``a`` and ``b``, and the same fit per phase splits ``a`` (:data:`SPLIT`).
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def split_phases(step: Mapping[str, float]) -> dict[str, float]:
-    """One step's :class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer` row as the parts of :data:`SPLIT`
-    (they add up to its ``total``)."""
+    """One step's :class:`~lcsb_lightning.bench.recipe_speed.PhaseTimer` row as the parts of :data:`SPLIT`."""
     head = step.get("lm_head_and_loss", 0.0)
     return {"forward": step["forward"] - head, "lm_head_and_loss": head, "backward": step["backward"],
             "optimizer": step["optimizer"], "rest": sum(step.get(p, 0.0) for p in _REST)}
@@ -131,7 +128,7 @@ def projected_ratio(a: float, b: float, steps_ratio: float, depth: float) -> flo
 
 def break_even(params: Sequence[float], ratios: Sequence[float], target: float) -> float | None:
     """The smallest parameter count from which a projected ratio is at most ``target``, linear in ``log(params)``
-    between the measured shapes; the smallest shape's count where it already is, None where no shape reaches it.
+    between the measured shapes (None where no shape reaches it).
 
     Example::
 
@@ -171,8 +168,7 @@ def arms(c: Mapping[str, Any]) -> list[Arm]:
 
 
 def steps_per_round(c: Mapping[str, Any], shape: str) -> int:
-    """The shape's timed steps per arm and round: ``steps_per_round`` (an integer, or shape -> integer with a
-    ``default``).
+    """The shape's timed steps per arm and round: ``steps_per_round`` (an integer, or shape -> integer or ``default``).
 
     Raises:
         ValueError: not an integer >= 1, or a mapping with neither the shape nor ``default`` (naming the shape).
@@ -233,8 +229,7 @@ def rows(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def projection_rows(table: Sequence[Mapping[str, Any]], projection: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per pipeline, policy and steps ratio: the projected time-to-quality ratio of every shape, and the parameter
-    count from which it is at most each target (:func:`break_even`). On paper: labelled a projection."""
+    """Per pipeline, policy and steps ratio: every shape's projected time-to-quality ratio and :func:`break_even`."""
     out = []
     targets = [float(t) for t in projection.get("targets", (1.0, 0.8))]
     for pipeline in dict.fromkeys(r["pipeline"] for r in table):

@@ -1,7 +1,4 @@
-"""Arms of the benchmark's studies, results keyed by the settings that produced them, and the divergence rule.
-
-Pure functions: no model is built here.
-"""
+"""Arms of the benchmark's studies, results keyed by the settings that produced them, and the divergence rule."""
 
 from __future__ import annotations
 
@@ -32,9 +29,8 @@ class Arm:
         overrides: Hydra overrides of the fine-tuning config (fine-tuning arms) or none.
         labels: What the arm is (task, arm, fmt, lr, seed, shape ...), for tables and plots.
         baseline: Name of the arm it is compared with (fine-tuning studies).
-        wallclock_of: For an equal-wall-clock run, the name of its equal-steps arm: it trains
-            ``steps x speed-up`` steps, the speed-up of its arm over the baseline measured by the
-            ``recipe_speed`` study.
+        wallclock_of: For an equal-wall-clock run, the name of its equal-steps arm: it trains ``steps x speed-up``
+            steps (``recipe_speed``'s speed-up of its arm over the baseline).
     """
 
     study: str
@@ -58,10 +54,7 @@ def settings_hash(settings: Any) -> str:
 
 
 def without_disabled_arms(bench: Mapping[str, Any]) -> dict[str, Any]:
-    """The benchmark config with every arm set to ``null`` left out of its study.
-
-    A preset that extends another drops an inherited arm this way (``full_freeze: null``), and so does
-    the command line: ``benchmark.quality.arms.dyadic=null``.
+    """The benchmark config without the arms set to ``null`` (how a preset or the command line drops an arm).
 
     Example::
 
@@ -87,10 +80,8 @@ def packaged_options(group: str) -> list[str]:
 
 
 def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
-    """Expand a fine-tuning study (``quality`` or ``ablation``) into arms.
-
-    Every task x every arm runs ``steps`` steps; an arm with a baseline and ``wallclock: true`` gets
-    a twin that trains for the baseline's wall-clock time instead. Baselines come first in each task.
+    """Every task x arm of a fine-tuning study, baselines first; an arm with a baseline and ``wallclock: true`` gets
+    a twin that trains for the baseline's wall-clock time.
 
     Raises:
         ValueError: an arm names a baseline that is not an arm, or a key of ``task_overrides`` is neither in
@@ -112,10 +103,8 @@ def finetune_arms(study: str, q: Mapping[str, Any]) -> list[Arm]:
     for task in q["tasks"]:
         for name in order:
             arm = arms_cfg[name]
-            overrides = (
-                f"model={q['model']}", f"task={task}", f"seed={q['seed']}", *q.get("common", ()),
-                *task_overrides.get(task, ()), *arm["overrides"],
-            )
+            overrides = (f"model={q['model']}", f"task={task}", f"seed={q['seed']}", *q.get("common", ()),
+                         *task_overrides.get(task, ()), *arm["overrides"])
             base = arm.get("baseline")
             labels = {"task": task, "arm": name, "run": "steps"}
             equal_steps = Arm(study, slug(task, name), tuple(overrides), labels, slug(task, base) if base else None)
@@ -138,24 +127,20 @@ def stability_arms(s: Mapping[str, Any]) -> list[Arm]:
         for fmt in s["formats"]:
             for lr in s["lrs"]:
                 for seed in s["seeds"]:
-                    overrides = (
-                        f"model={s['model']}", f"task={s['task']}", *s.get("common", ()), *arm_overrides,
-                        f"mebp={fmt}", f"module.lr={lr}", f"seed={seed}",
-                    )
+                    overrides = (f"model={s['model']}", f"task={s['task']}", *s.get("common", ()), *arm_overrides,
+                                 f"mebp={fmt}", f"module.lr={lr}", f"seed={seed}")
                     labels = {"arm": name, "fmt": fmt, "lr": float(lr), "seed": int(seed)}
                     out.append(Arm("stability", slug(name, fmt, f"lr{lr}", f"s{seed}"), overrides, labels))
     return out
 
 
 def memory_arms(m: Mapping[str, Any]) -> list[Arm]:
-    """Expand ``benchmark.memory``: each shape x its sequence lengths x config, then each ablation
-    (one mechanism undone) at ``ablation_at`` (``[shape, seq_len]``), each under every one of ``optimizers``
-    (default ``[adamw]``). An AdamW arm keeps the name it had before the study had optimizers; another's
-    name ends with the optimizer (``qwen2.5_0.5b__256__lean__sgd``).
+    """Expand ``benchmark.memory``: each shape x its sequence lengths x config, then each ablation at ``ablation_at``
+    (``[shape, seq_len]``), under each of ``optimizers`` (default ``[adamw]``; the others end the arm's name).
 
     Raises:
-        ValueError: ``optimizers`` is not a non-empty list of
-            :data:`~lcsb_lightning.bench.memory.OPTIMIZERS`, or names one twice.
+        ValueError: ``optimizers`` is not a non-empty list of :data:`~lcsb_lightning.bench.memory.OPTIMIZERS`,
+            or names one twice.
     """
     from lcsb_lightning.bench.memory import OPTIMIZERS, check_optimizer
 
@@ -181,8 +166,7 @@ def arm_dir(root: Path, arm: Arm) -> Path:
 
 
 def load_result(root: Path, arm: Arm, expected_hash: str | None = None) -> dict[str, Any] | None:
-    """The arm's finished result, or None when it must run: no or unreadable ``result.json``, or one
-    produced by other settings (its ``settings_hash`` differs from ``expected_hash``)."""
+    """The arm's finished result; None when it is missing, unreadable or of another ``expected_hash``."""
     path = arm_dir(root, arm) / RESULT_NAME
     try:
         result = json.loads(path.read_text())
@@ -208,10 +192,8 @@ def finished(root: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
 
 
 def diverged(train_losses: Sequence[float], initial_eval: float | None, final_eval: float | None) -> tuple[bool, str]:
-    """The divergence rule of the stability study.
-
-    A run diverges when any training loss or the final eval loss is not finite, or when the final
-    eval loss is above its value before training.
+    """The stability study's rule: a run diverges when a training loss or the final eval loss is not finite, or the
+    final eval loss is above its value before training.
 
     Returns:
         ``(diverged, reason)``; the reason is ``""`` for a run that did not diverge.
