@@ -1,5 +1,4 @@
-"""Reading task files (text, JSON lines, TSV/CSV) through ``datasets.load_dataset``, with errors that say what was
-expected and what was seen."""
+"""Reading task files (text, JSON lines, TSV/CSV) through ``datasets.load_dataset``, with errors that say why."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def _not_utf8(path: Path, exc: UnicodeDecodeError) -> ValueError:
 
 
 def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
-    """``datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)``; a ValueError naming the
-    file where it is not UTF-8 or cannot be parsed as ``what``."""
+    """``datasets.load_dataset`` of one file; a ValueError naming it where it is not UTF-8 or not valid ``what``."""
     datasets = _datasets(str(path))
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a few local files: the bars would say nothing
@@ -74,11 +72,7 @@ def _load(builder: str, path: Path, what: str, **kwargs: Any) -> Any:
 
 
 def read_text(path: Path, max_chars: int | None = None) -> str:
-    """A UTF-8 text file as one document (``load_dataset("text", sample_by="document")``).
-
-    Args:
-        path: The file.
-        max_chars: Keep only its first this many characters.
+    """A UTF-8 text file as one document, cut to its first ``max_chars`` characters if given.
 
     Raises:
         ValueError: the file is empty, or not UTF-8 (the message names the byte offset).
@@ -94,12 +88,10 @@ def read_text(path: Path, max_chars: int | None = None) -> str:
 def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
     """The column names and the rows (keyed by column name) of a TSV, CSV or JSONL file, with ``datasets.load_dataset``.
 
-    TSV and CSV cells are kept as the strings they are in the file (no number parsing, no ``NA`` -> missing);
-    TSV cells are not quoted (``csv.QUOTE_NONE``): SST-2's sentences hold quote characters. Without a
-    ``header``, columns are named by position: ``"0"``, ``"1"``, ...
+    TSV and CSV cells stay strings (no number parsing, no ``NA`` -> missing); TSV cells are not quoted
+    (SST-2's sentences hold quote characters). Without a ``header``, columns are named ``"0"``, ``"1"``, ...
 
     Args:
-        path: The file.
         fmt: ``auto`` (from the extension), ``tsv``, ``csv`` or ``jsonl``.
         header: Whether the first TSV/CSV line holds column names.
 
@@ -133,11 +125,9 @@ def read_table(path: Path, fmt: str = "auto", header: bool = True) -> tuple[list
 
 
 def column_name(columns: Sequence[str], column: str | int, role: str, path: Path) -> str:
-    """The name of a column given by name or position.
+    """The name of ``column``, given by name or 0-based position among ``columns``.
 
     Args:
-        columns: Column names read from the file.
-        column: The configured name, or a 0-based position.
         role: What the column is for, e.g. ``"text_column"``, and ``path`` the file: both named in the error.
 
     Raises:
@@ -175,9 +165,7 @@ def load_hub_rows(hub: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
     """The rows of one split of a data set, ``datasets.load_dataset(hub["path"], hub.get("name"), split=split)``.
 
     Args:
-        hub: The ``hub:`` node; its ``path`` is a hub id (network, or the local Hugging Face cache) or a local
-            folder laid out as a hub data set repository.
-        split: The split name.
+        hub: The ``hub:`` node; its ``path`` is a hub id (network, or the local cache) or a hub-style local folder.
 
     Raises:
         ImportError: ``datasets`` is not installed.
