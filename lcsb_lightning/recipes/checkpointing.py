@@ -1,6 +1,5 @@
-"""Crash-safe checkpoints of a recipe run: atomic writes (:class:`AtomicCheckpointIO`), an exact data position
-(:class:`ResumableLoader`, :class:`EpochShuffle`), a checkpoint on SIGTERM/SIGINT (:class:`PreemptionCheckpoint`),
-and what ``resume=`` names found and validated before any model is loaded."""
+"""Crash-safe checkpoints of a recipe run: atomic writes, an exact data position, a checkpoint on SIGTERM/SIGINT, and
+what ``resume=`` names found and validated before any model is loaded."""
 
 from __future__ import annotations
 
@@ -34,13 +33,11 @@ _YIELDED = "_num_yielded"  # the batches a single-process StatefulDataLoader ite
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes through :func:`~lcsb_lightning.recipes.outputs.atomic_file`.
 
-    Lightning's own write (an fsspec transaction) goes through ``tempfile.mkstemp()`` and ``shutil.move``, which
-    between filesystems (a tmpfs ``/tmp``) copies into the destination: a full disk or a crash mid-copy leaves a
-    truncated file where the previous checkpoint was. Loading and removal are Lightning's.
+    Lightning's own write moves a temporary file, which between filesystems (a tmpfs ``/tmp``) copies into the
+    destination: a full disk or a crash mid-copy leaves a truncated file where the previous checkpoint was.
 
     Raises:
-        OSError: the write failed (for example ``ENOSPC``); the message names the destination, the
-            temporary file is removed and any previous checkpoint at that path is untouched.
+        OSError: the write failed (for example ``ENOSPC``); any previous checkpoint at that path is untouched.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -58,8 +55,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class EpochShuffle(RandomSampler):
     """One permutation of ``range(size)`` per epoch, ``torch.randperm`` seeded with ``seed + epoch``: the order of
-    ``DistributedSampler(shuffle=True, seed=seed)`` on one process, which Lightning puts in its place under DDP
-    (a ``RandomSampler``), so each rank reads its share of the same permutation.
+    ``DistributedSampler(shuffle=True, seed=seed)``, which Lightning puts in its place under DDP.
 
     Args:
         size: The number of examples.
@@ -84,11 +80,9 @@ class EpochShuffle(RandomSampler):
 
 
 class ResumableLoader(StatefulDataLoader):
-    """A ``StatefulDataLoader`` (Lightning saves and restores its position) whose state also holds its sampler's
-    epoch: on a resume the epoch's iterator, permutation included, is created before Lightning calls
-    ``set_epoch``. A checkpoint after an epoch's last batch resumes at the start of the next one (told by the
-    single-process iterator's state: the recipes load with ``num_workers=0``). Pass ``sampler=EpochShuffle(...)``.
-    """
+    """A ``StatefulDataLoader`` whose state also holds its sampler's epoch (on a resume the epoch's iterator is
+    created before Lightning calls ``set_epoch``); a checkpoint after an epoch's last batch resumes at the next one.
+    Pass ``sampler=EpochShuffle(...)``; single-process (``num_workers=0``)."""
 
     def _epoch_sampler(self) -> Any:
         # Lightning puts its DistributedSampler inside the batch sampler (torchdata's BatchSampler is not torch's)
@@ -112,8 +106,7 @@ class ResumableLoader(StatefulDataLoader):
 
 
 class Preempted(SystemExit):
-    """Raised by the recipe run after a preemption checkpoint: its exit status is ``128 + signal`` (143 for
-    SIGTERM, 130 for SIGINT), as a shell reports a process ended by that signal."""
+    """Raised by the recipe run after a preemption checkpoint, with exit status ``128 + signal`` (as a shell's)."""
 
 
 class PreemptionCheckpoint(Checkpoint):
@@ -121,10 +114,9 @@ class PreemptionCheckpoint(Checkpoint):
     end of the current optimizer step (after a whole accumulation window: a checkpoint holds no gradients) and
     stop the fit with Lightning's ``SIGTERMException`` before the next.
 
-    Under DDP the ranks decide together at that point, so a signal to one process suffices; this replaces
-    Lightning's own SIGTERM handler, whose broadcast from inside the handler can pair with another collective
-    and hang the ranks. A second Ctrl-C interrupts at once; a signal ignored when training starts (``nohup``)
-    stays ignored. A ``Checkpoint`` callback, it runs after the other callbacks' ``on_train_batch_end``.
+    Under DDP the ranks decide together at that point (Lightning's own handler broadcasts from inside the handler,
+    which can pair with another collective and hang). A second Ctrl-C interrupts at once; an ignored signal
+    (``nohup``) stays ignored.
 
     Args:
         path: Where the checkpoint goes (the recipe's ``checkpoints/last.ckpt``).
@@ -196,8 +188,7 @@ def resolve_checkpoint(resume: str | os.PathLike[str]) -> Path:
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint loaded on the CPU with ``weights_only=True`` (unpickling runs no code), or a ``ValueError``
-    naming the file (truncated, corrupted, holding other objects, or not a recipe checkpoint)."""
+    """The checkpoint loaded on the CPU with ``weights_only=True``, or a ``ValueError`` naming the file."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
