@@ -41,8 +41,7 @@ def check_adapter(path: str) -> None:
 
 
 def rng_states() -> dict[str, Any]:
-    """The random states of torch (CPU and every CUDA device), Python and numpy: a resumed run draws what the
-    uninterrupted one would."""
+    """The random states of torch (CPU, CUDA), Python and numpy: a resumed run draws what an unbroken one would."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -73,9 +72,8 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
 class CausalLMModule(LightningModule):
     """LoRA fine-tuning of a causal LM, evaluated with the task's metrics.
 
-    Evaluation always reports ``val/loss``, ``val/ppl`` and ``val/token_acc`` on the target tokens
-    (prompt tokens are masked for QA and classification); QA adds ``val/exact_match`` (final number
-    of greedy generations on the task's first ``num_generate`` examples) and classification adds
+    Evaluation reports ``val/loss``, ``val/ppl`` and ``val/token_acc`` on the target tokens; QA adds
+    ``val/exact_match`` (greedy generations on the first ``num_generate`` examples) and classification
     ``val/accuracy`` (the verbalizer word with the highest log-likelihood).
 
     Args:
@@ -90,8 +88,7 @@ class CausalLMModule(LightningModule):
         schedule: A ``transformers.get_scheduler`` name: ``cosine_with_min_lr`` (decays to
             ``min_lr_ratio`` of the peak), ``cosine``, ``linear``, ``constant_with_warmup`` or ``constant``.
         min_lr_ratio: Final learning-rate multiplier of ``cosine_with_min_lr``.
-        chunked_loss: Compute the training loss with ``lcsb_lightning.mebp.chunked_lm_loss`` so that
-            full-vocabulary logits of the whole sequence never exist at once.
+        chunked_loss: Compute the training loss with ``lcsb_lightning.mebp.chunked_lm_loss`` (no full logits).
         chunk_size: Sequence chunk of the chunked loss.
         init_adapter: A peft adapter folder to continue training from (instead of a fresh ``lora``).
     """
@@ -166,8 +163,7 @@ class CausalLMModule(LightningModule):
 
     @torch.no_grad()
     def _update_lm_metrics(self, batch: Mapping[str, Any]) -> None:
-        """The LM metrics of one batch, streamed over the vocabulary
-        (:func:`~lcsb_lightning.mebp.loss.lm_head_predictions`): full logits of 4 x 256 tokens x 49k would be 200 MB."""
+        """The LM metrics of one batch, streamed over the vocabulary: full logits of 4 x 256 x 49k would be 200 MB."""
         from lcsb_lightning.mebp.loss import lm_head_predictions
 
         hidden, head, transform = self._hidden_and_head(batch)
