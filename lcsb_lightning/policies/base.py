@@ -22,8 +22,8 @@ def balanced_groups(indices: list[int], num_groups: int) -> list[list[int]]:
 class SelectionPolicy(ABC):
     """Chooses which blocks are back-propagated at each optimizer step.
 
-    Built with its subset size, bound to a model's block count by :meth:`setup`; ``select(step)`` is called once per
-    optimizer step, with increasing steps, and chooses a new subset every ``switch_every`` steps (one "round").
+    Bound to a model's block count by :meth:`setup`; ``select(step)`` is called with increasing steps and chooses a
+    new subset every ``switch_every`` steps (one "round").
 
     Args:
         layers_per_step: ``k``, the number of blocks trained per round.
@@ -40,10 +40,8 @@ class SelectionPolicy(ABC):
     #: Recorded arguments nothing saved depends on: other values continue a checkpoint, with one warning.
     changeable_args: tuple[str, ...] = ()
 
-    def __init__(
-        self, layers_per_step: int | None = None, fraction: float | None = None, switch_every: int = 1,
-        seed: int = 0
-    ) -> None:
+    def __init__(self, layers_per_step: int | None = None, fraction: float | None = None, switch_every: int = 1,
+                 seed: int = 0) -> None:
         sizes = _given_sizes(layers_per_step, fraction)
         if sizes and not self.needs_size:
             name, value = next(iter(sizes.items()))
@@ -70,18 +68,15 @@ class SelectionPolicy(ABC):
         if num_blocks < 1:
             raise ValueError(f"A policy needs at least one block, got num_blocks={num_blocks}.")
         if self.layers_per_step is not None and self.layers_per_step > num_blocks:
-            raise ValueError(
-                f"`layers_per_step={self.layers_per_step}` exceeds the model's {num_blocks} blocks; "
-                f"allowed: 1..{num_blocks}."
-            )
+            raise ValueError(f"`layers_per_step={self.layers_per_step}` exceeds the model's {num_blocks} blocks; "
+                             f"allowed: 1..{num_blocks}.")
         self._bind(num_blocks)
         self._round, self._selection = -1, ()
         self._on_setup()
 
     def rebind(self, num_blocks: int) -> None:
         """Select, from now on, over the top ``num_blocks`` of the blocks bound so far (the lowest ones stopped
-        training, or with more, train again below them). What was learned of the kept blocks carries over, ``k`` is
-        at most ``num_blocks`` (a ``fraction`` is of the new count), and a round under way is chosen anew.
+        training, or train again). What was learned of the kept blocks carries over; a round under way is chosen anew.
 
         Example::
 
@@ -122,8 +117,7 @@ class SelectionPolicy(ABC):
 
     @property
     def cycle_steps(self) -> int | None:
-        """Optimizer steps after which the selections repeat (a timing over a multiple of them is a run's mean step
-        time); ``None``: no fixed cycle, or one that needs :meth:`setup` first."""
+        """Optimizer steps after which the selections repeat; ``None``: no fixed cycle, or not known before setup."""
         return None
 
     @property
@@ -139,10 +133,8 @@ class SelectionPolicy(ABC):
         if target == self._round and not self._selection:  # a round under way when rebind() dropped its blocks
             self._round -= 1
         if target < self._round:
-            raise ValueError(
-                f"select() went back in time: step {step} (round {target}) after round {self._round}. "
-                "Restore the policy with load_state_dict() instead."
-            )
+            raise ValueError(f"select() went back in time: step {step} (round {target}) after round {self._round}. "
+                             "Restore the policy with load_state_dict() instead.")
         while self._round < target:  # advancing round by round keeps stateful policies reproducible
             self._round += 1
             self._selection = tuple(sorted(self._choose(self._round)))
@@ -160,12 +152,10 @@ class SelectionPolicy(ABC):
                 **{name: getattr(self, name) for name in (*self.state_args, *self.changeable_args)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state of :meth:`state_dict`; other :attr:`changeable_args`, or none recorded (0.7 or older),
-        continue with this policy's values, with one warning.
+        """Restore :meth:`state_dict`; other :attr:`changeable_args` continue with this policy's values, with a warning.
 
         Raises:
-            ValueError: the checkpoint was saved over another model or with other :attr:`state_args`, naming both
-                values and the argument that resumes it.
+            ValueError: the checkpoint was saved over another model or with other :attr:`state_args`.
         """
         ours = {name: getattr(self, name) for name in ("num_blocks", *self.state_args, *self.changeable_args)}
         refused = [name for name in ("num_blocks", *self.state_args) if name in state and state[name] != ours[name]]
@@ -235,9 +225,8 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_policy(
-    name: str, layers_per_step: int | None = None, fraction: float | None = None, **kwargs: Any
-) -> SelectionPolicy:
+def build_policy(name: str, layers_per_step: int | None = None, fraction: float | None = None,
+                 **kwargs: Any) -> SelectionPolicy:
     """Build a registered policy by name, e.g. ``build_policy("cyclic", layers_per_step=4)``.
 
     Raises:
