@@ -15,8 +15,7 @@ from lcsb_lightning.fit_scoped import FitScopedCallback
 from lcsb_lightning.prefix_cache import FrozenPrefix
 
 def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> dict[int, int | float]:
-    """``schedule`` as ``{epoch: blocks}``, sorted; from a mapping or a list of ``[epoch, blocks]`` pairs (the
-    form a Hydra override replaces as a whole: ``freeze.schedule=[[1,0.75]]``)."""
+    """``schedule`` (a mapping, or ``[epoch, blocks]`` pairs as a Hydra override gives) as ``{epoch: blocks}``."""
     usage = "a mapping epoch -> blocks to freeze (a count, or a fraction in (0, 1) of the blocks), e.g. {1: 0.5}, or [[1, 0.5]]"
     if isinstance(schedule, Mapping):
         pairs = list(schedule.items())
@@ -46,24 +45,18 @@ def _check_schedule(schedule: Mapping[Any, Any] | Sequence[Sequence[Any]]) -> di
 class ProgressiveFreezing(FitScopedCallback):
     r"""Freeze the lowest transformer blocks as the epochs go by, and stop computing them at all.
 
-    From the epochs named in ``schedule`` on, the lowest blocks (and an input embedding below them, if it trains) get
+    From the epochs named in ``schedule`` on, the lowest blocks (and a trainable input embedding below them) get
     ``requires_grad=False`` and run without a graph; with ``cache=True`` their output per training example is stored
-    the first time (:class:`~lcsb_lightning.prefix_cache.FrozenPrefix`), so the later epochs skip their forward too
-    (AutoFreeze / Egeria, for multi-epoch LoRA fine-tuning of small data sets).
-
-    It works alone and beside :class:`~lcsb_lightning.LCSBCallback`, whose policy then selects over the blocks that
-    still train (:meth:`~lcsb_lightning.policies.SelectionPolicy.rebind`); frozen parameters get no update of any
-    kind. They get ``requires_grad`` back when fit ends; a fit resumed from a checkpoint re-freezes the checkpoint's
-    blocks before its first batch. An input embedding tied to the LM head (``cache=False`` only) trains on as the head.
-    Not a :class:`~lightning.pytorch.callbacks.BaseFinetuning`: its ``make_trainable`` would also turn on the base
-    weights, and its ``finetune_function`` is skipped when Lightning resumes mid-epoch.
+    (:class:`~lcsb_lightning.prefix_cache.FrozenPrefix`), so later epochs skip their forward too (AutoFreeze / Egeria).
+    Beside :class:`~lcsb_lightning.LCSBCallback`, its policy selects over the blocks that still train. ``requires_grad``
+    comes back when fit ends; a resumed fit re-freezes before its first batch. Not a ``BaseFinetuning``: its
+    ``make_trainable`` would also turn on the base weights, and its hook is skipped on a mid-epoch resume.
 
     Args:
         schedule: ``{epoch: blocks}`` (or ``[[epoch, blocks], ...]``): from that (0-based) epoch on, freeze that
-            many of the lowest blocks (an int), or that share of them (a float in (0, 1)); never fewer than an
-            earlier epoch.
-        cache: Store the frozen blocks' outputs per example, in host memory, and reuse them (not while a
-            dropout is active in the frozen blocks: warned). ``False``: only their backward is saved.
+            many of the lowest blocks (an int), or that share of them (a float in (0, 1)); never fewer than before.
+        cache: Store the frozen blocks' outputs per example, in host memory, and reuse them (not while a dropout is
+            active in them). ``False``: only their backward is saved.
         max_cache_mb: At most this many MB of stored outputs (the rest are recomputed every epoch).
         blocks: How to find the blocks, as for :class:`~lcsb_lightning.LCSBCallback`.
 
@@ -77,10 +70,8 @@ class ProgressiveFreezing(FitScopedCallback):
         >>> callbacks = [LCSBCallback("full"), ProgressiveFreezing({1: 0.5, 2: 0.75})]
     """
 
-    def __init__(
-        self, schedule: Mapping[int, int | float] | Sequence[Sequence[int | float]], cache: bool = True,
-        max_cache_mb: float = 2048.0, blocks: BlocksSpec = "auto"
-    ) -> None:
+    def __init__(self, schedule: Mapping[int, int | float] | Sequence[Sequence[int | float]], cache: bool = True,
+                 max_cache_mb: float = 2048.0, blocks: BlocksSpec = "auto") -> None:
         self.schedule = _check_schedule(schedule)
         if not isinstance(max_cache_mb, (int, float)) or isinstance(max_cache_mb, bool) or max_cache_mb < 0:
             raise ValueError(f"`max_cache_mb={max_cache_mb!r}` must be a number >= 0.")
