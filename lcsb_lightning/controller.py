@@ -27,10 +27,8 @@ def validate_modes(backward: str, unreached: str) -> None:
 class LCSBController:
     """Selects blocks per optimizer step and prepares the forward pass and the gradients accordingly.
 
-    Call :meth:`begin_step` before the forward pass of each optimizer step (repeats of a step are no-ops, as under
-    gradient accumulation), :meth:`before_optimizer_step` after backward and gradient synchronisation, and
-    :meth:`release` at the end. The policy selects over the blocks that train: when the lowest ones stop training
-    (``ProgressiveFreezing``), it is re-bound over the blocks above them at the next step.
+    Call :meth:`begin_step` before each optimizer step's forward (repeats are no-ops, as under gradient accumulation),
+    :meth:`before_optimizer_step` after backward and gradient synchronisation, and :meth:`release` at the end.
 
     Example::
 
@@ -45,10 +43,8 @@ class LCSBController:
         >>> ctl.release()
     """
 
-    def __init__(
-        self, model: nn.Module, policy: SelectionPolicy, backward: str = "all_reached",
-        unreached: str = "skip_below", blocks: BlocksSpec = "auto"
-    ) -> None:
+    def __init__(self, model: nn.Module, policy: SelectionPolicy, backward: str = "all_reached",
+                 unreached: str = "skip_below", blocks: BlocksSpec = "auto") -> None:
         validate_modes(backward, unreached)
         self.policy, self.backward, self.unreached = policy, backward, unreached
         self.block_params: BlockParams = map_trainable_params(model, blocks)

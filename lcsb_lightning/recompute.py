@@ -1,9 +1,7 @@
 """Activation memory of a float model bounded by the blocks a step keeps: the lower blocks recompute theirs.
 
-Under LCSB's truncated backward only the deep steps (one in four with the dyadic default) back-propagate every block.
-:func:`recompute_lower_blocks` runs every block below the top ``keep_top`` under a non-reentrant checkpoint
-(QuantizedMeBP's per-block wrapper, without compression, with its CPU heap trims): a step no deeper than ``keep_top``
-is unchanged, a deeper one recomputes its lower blocks' forward in backward, with the same gradients.
+Under LCSB's truncated backward only the deep steps back-propagate every block: a step no deeper than ``keep_top``
+is unchanged, a deeper one recomputes its lower blocks' forward in backward (QuantizedMeBP's per-block checkpoint).
 """
 
 from __future__ import annotations
@@ -13,9 +11,8 @@ from torch import nn
 from lcsb_lightning.blocks import BlocksSpec, find_blocks
 
 
-def recompute_lower_blocks(
-    model: nn.Module, keep_top: int | None = None, blocks: BlocksSpec = "auto", release_heap: bool = True
-) -> list[nn.Module]:
+def recompute_lower_blocks(model: nn.Module, keep_top: int | None = None, blocks: BlocksSpec = "auto",
+                           release_heap: bool = True) -> list[nn.Module]:
     """Checkpoint every transformer block of ``model`` below its top ``keep_top`` (None: none).
 
     Args:
