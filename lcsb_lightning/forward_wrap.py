@@ -1,9 +1,8 @@
 """A per-instance stack of named ``forward`` wrappers that compose, come off in any order, copy and pickle.
 
-LCSB's selective backprop, the frozen prefix and QuantizedMeBP's per-block checkpointing each install a wrapper (a
-``name`` and a ``__call__(inner, *args, **kwargs)``) in the module's :class:`ForwardStack`, its instance-level
-``forward``; removing the last one restores the forward found at install time. The stack holds no closures, so
-``copy.deepcopy`` and ``pickle`` work; wrappers with ``persistent = False`` (owned by one fit) are left out of both.
+Selective backprop, the frozen prefix and QuantizedMeBP's checkpointing each install a wrapper in the module's
+:class:`ForwardStack`. The stack holds no closures, so ``copy.deepcopy`` and ``pickle`` work; wrappers with
+``persistent = False`` (owned by one fit) are left out of both.
 """
 
 from __future__ import annotations

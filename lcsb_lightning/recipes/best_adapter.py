@@ -22,8 +22,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def save_adapters(model: nn.Module, path: Path, gguf_base: str | Path | None = None) -> None:
-    """The adapter folder ``path`` (:func:`~lcsb_lightning.recipes.outputs.save_adapter`) and, with ``gguf_base``
-    (the GGUF file the base model was read from), ``path`` + ``.gguf``, the adapter as llama.cpp loads it."""
+    """The adapter folder ``path`` and, with ``gguf_base`` (the base model's GGUF), ``path.gguf`` for llama.cpp."""
     save_adapter(model, path)
     if gguf_base is not None:
         save_gguf_adapter(model, gguf_base, path.with_name(path.name + ".gguf"))
@@ -32,10 +31,8 @@ def save_adapters(model: nn.Module, path: Path, gguf_base: str | Path | None = N
 class BestAdapter(L.Callback):
     """Write the adapter to ``path`` at every evaluation that improves ``monitor``.
 
-    Every evaluation counts, ``trainer.validate`` before and after ``fit`` included (Lightning's
-    ``ModelCheckpoint`` saves only while fitting, so the untrained adapter could never be the best); the sanity
-    check, and an evaluation without the metric or with a non-finite value, do not. Each write is atomic
-    (:func:`~lcsb_lightning.recipes.outputs.save_adapter`); only the global-zero process writes.
+    Every evaluation counts, ``trainer.validate`` before and after ``fit`` included (``ModelCheckpoint`` saves only
+    while fitting, so the untrained adapter could never be the best); the sanity check and non-finite values do not.
 
     Args:
         path: The folder of the best adapter (``PeftModel.from_pretrained(path)`` loads it).
