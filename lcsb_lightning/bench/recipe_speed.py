@@ -174,12 +174,9 @@ def model_key(cfg: DictConfig) -> str:
     return json.dumps({key: resolved.get(key) for key in MODEL_KEYS}, sort_keys=True, default=str)
 
 
-def time_task(
-    task: str, arms: Mapping[str, Sequence[str]], common: Sequence[str], compose: Any, rounds: int, steps_per_round: int,
-    out_dir: Any,
-) -> dict[str, Any]:
-    """Alternate the arms of one task round by round; return each arm's step time per phase (:func:`summarize`)
-    and the raw steps of every round.
+def time_task(task: str, arms: Mapping[str, Sequence[str]], common: Sequence[str], compose: Any, rounds: int,
+              steps_per_round: int, out_dir: Any) -> dict[str, Any]:
+    """Alternate the arms of one task round by round; return each arm's step time per phase and every round's steps.
 
     Args:
         task: The task option (``task=<task>``).

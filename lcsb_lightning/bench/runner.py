@@ -303,9 +303,8 @@ def run_benchmark(bench: DictConfig | Mapping[str, Any], out_dir: str | Path, co
                   command: str | None = None) -> dict[str, Any]:
     """Run the pending arms of the configured studies and write ``results.md``, ``results.json`` and plots.
 
-    An arm whose ``result.json`` was produced by the same settings is skipped, so an interrupted
-    benchmark resumes where it stopped. With ``report_only`` nothing runs: the tables, plots and
-    results files cover the finished arms.
+    An arm whose ``result.json`` was produced by the same settings is skipped, so an interrupted benchmark resumes;
+    with ``report_only`` nothing runs and the results cover the finished arms.
 
     Args:
         bench: The ``benchmark`` config node (``conf/benchmark/*.yaml``).

@@ -247,12 +247,8 @@ def _stop_if_preempted(trainer: L.Trainer, out: Path, interrupted: bool) -> None
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path, extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Fine-tune as configured and write logs, checkpoints, the adapter (and ``adapter_best``), ``summary.json``
-    and a loss-curve PNG into ``output_dir``.
-
-    The config, then a ``resume`` checkpoint, then every input are checked before the model is loaded. Every file
-    is replaced only by a complete new one, by the global-zero process. On SIGTERM or SIGINT the run writes
-    ``checkpoints/last.ckpt`` after the current step and raises
-    :class:`~lcsb_lightning.recipes.checkpointing.Preempted` (exit status 143 or 130).
+    and a loss-curve PNG into ``output_dir``. Every input is checked before the model is loaded. On SIGTERM or SIGINT
+    the run checkpoints after the current step and raises :class:`~lcsb_lightning.recipes.checkpointing.Preempted`.
 
     Args:
         cfg: The composed config (``conf/config.yaml``); with ``resume`` set, the run's own config.
