@@ -78,10 +78,8 @@ class GradNormPolicy(SelectionPolicy):
 
     changeable_args = ("ema_decay", "exploration", "max_staleness")
 
-    def __init__(
-        self, *args: Any, ema_decay: float = 0.9, exploration: float = 0.1, max_staleness: int | None = None,
-        **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, ema_decay: float = 0.9, exploration: float = 0.1, max_staleness: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"`ema_decay` must be in [0, 1), got {ema_decay!r}.")

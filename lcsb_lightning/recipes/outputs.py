@@ -114,14 +114,11 @@ def _check_finite(model: nn.Module) -> None:
 def save_adapter(model: nn.Module, path: Path) -> Path:
     """Save a peft model's adapter (``save_pretrained``) so that ``path`` always holds a complete adapter.
 
-    ``path`` is a real folder, replaced as a checkpoint file is: the adapter is written into a new hidden
-    folder beside it, which then takes its place (:func:`replace_folder`). An interrupted save leaves the
-    previous adapter in place. The files get the umask's permissions, so the folder copies (``cp -r``,
-    ``tar``) and loads (``PeftModel.from_pretrained(path)``) anywhere.
+    The adapter is written into a new hidden folder beside ``path`` that then takes its place
+    (:func:`replace_folder`): an interrupted save leaves the previous adapter in place.
 
     Args:
         model: A ``peft.PeftModel``.
-        path: The adapter's folder.
 
     Raises:
         TypeError: not a peft model.
