@@ -36,9 +36,8 @@ def save_gguf_adapter(model: nn.Module, base_gguf: str | os.PathLike[str], path:
                       adapter_name: str = "default") -> Path:
     """Write ``model``'s LoRA adapter as a GGUF adapter that llama.cpp applies to ``base_gguf``.
 
-    The file loads in llama.cpp (``llama-cli -m base.gguf --lora adapter.gguf``), ollama's ``ADAPTER``, LM Studio
-    and llama-cpp-python. It holds the LoRA weights (F32), named after ``base_gguf``'s tensors, rsLoRA and
-    per-module scales carried exactly; the base file's weights are not read.
+    ``llama-cli -m base.gguf --lora adapter.gguf`` (and the runtimes of docs/gguf.md) loads it. The LoRA weights are
+    F32, named after ``base_gguf``'s tensors, with rsLoRA and per-module scales carried exactly.
 
     Args:
         model: A ``peft.PeftModel`` (e.g. your LightningModule's ``self.model``) whose base model was
@@ -97,10 +96,8 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | os.PathLike[str], path: 
                      tensor_type: str = "F16", adapter_name: str = "default") -> Path:
     """Write ``base_gguf`` with ``model``'s LoRA adapter merged in: one file for runtimes that take no adapter.
 
-    Each adapted tensor is dequantized from the base file, merged (``W + alpha / r · B A``, in the file's
-    row order) and stored as ``tensor_type``; every other tensor and every metadata key is copied byte for
-    byte (``general.file_type`` still names the base file's type). Written tensor by tensor: at most one
-    adapted tensor is in float at a time, never the whole model.
+    Each adapted tensor is dequantized, merged (``W + alpha / r · B A``) and stored as ``tensor_type``, one at a time;
+    every other tensor and metadata key is copied byte for byte (``general.file_type`` still names the base's type).
 
     Args:
         model: A ``peft.PeftModel`` over the base model of ``base_gguf``.
