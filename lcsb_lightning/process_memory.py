@@ -18,19 +18,26 @@ _MiB = 1024
 
 
 def peak_rss_mb() -> float:
-    """Whole-process peak resident set size in MiB (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
+    """Whole-process peak resident set size in MiB: ``VmHWM`` on Linux, else ``ru_maxrss`` (bytes on macOS).
+
+    Not ``ru_maxrss`` on Linux: it keeps the resident size of the process that started this one (exec carries
+    it over), so a small run started by a large process would report the large one's.
+    """
+    high_water = read_status().get("VmHWM")
+    if high_water is not None:
+        return high_water
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
 def read_status() -> dict[str, float]:
-    """``RssAnon`` and ``VmRSS`` of this process in MiB (``/proc/self/status``; empty off Linux)."""
+    """``RssAnon``, ``VmRSS`` and ``VmHWM`` of this process in MiB (``/proc/self/status``; empty off Linux)."""
     out: dict[str, float] = {}
     try:
         with open("/proc/self/status") as handle:
             for line in handle:
                 key, _, value = line.partition(":")
-                if key in ("RssAnon", "VmRSS"):
+                if key in ("RssAnon", "VmRSS", "VmHWM"):
                     out[key] = int(value.split()[0]) / _MiB
     except OSError:
         pass
