@@ -11,7 +11,7 @@ from typing import Any
 from lcsb_lightning.blocks import find_blocks, map_trainable_params
 from lcsb_lightning.selective import SelectiveBackprop, is_skipped
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 # Heavier pieces load on first use so that the core import stays light.
 _LAZY = {
