@@ -384,6 +384,20 @@ def test_wallclock_steps_fill_the_arms_own_baselines_time(tmp_path: Path) -> Non
     assert wallclock_steps(tmp_path, bench, wallclock, 100) == 133
 
 
+def test_wallclock_steps_of_an_ablation_arm_read_the_ablation_study(tmp_path: Path) -> None:
+    # the same arm name in the quality study with another baseline must not decide the ablation arm's steps
+    from lcsb_lightning.bench.runner import wallclock_steps
+    from lcsb_lightning.bench.spec import Arm
+
+    _timed(tmp_path, "t1", {"full_k4": 2.6, "full_null": 1.6, "default_null": 1.2})
+    bench = {"recipe_speed": {"tasks": ["t1"], "baseline": "full_k4", "arms": {"full_k4": [], "full_null": [], "default_null": []}},
+             "quality": {"arms": {"default_null": {"baseline": "full_k4", "wallclock": True, "overrides": []}}},
+             "ablation": {"arms": {"default_null": {"baseline": "full_null", "wallclock": True, "overrides": []}}}}
+    wallclock = Arm("ablation", "t1__default_null__wallclock", (), {"task": "t1", "arm": "default_null", "run": "wallclock"},
+                    "t1__full_null", wallclock_of="t1__default_null")
+    assert wallclock_steps(tmp_path, bench, wallclock, 100) == 133
+
+
 def test_wallclock_steps_of_a_timed_as_arm_need_its_twin_timed(tmp_path: Path) -> None:
     from lcsb_lightning.bench.runner import wallclock_steps
     from lcsb_lightning.bench.spec import Arm

@@ -131,7 +131,7 @@ def wallclock_steps(root: Path, bench: Mapping[str, Any], arm: Arm, steps: int) 
     task, name = arm.labels["task"], arm.labels["arm"]
     r = bench.get("recipe_speed") or {}
     seconds = step_times({"recipe_speed": _recipe_speed_rows(root, bench)}, bench)
-    own_baseline = (((bench.get("quality") or {}).get("arms") or {}).get(name) or {}).get("baseline")
+    own_baseline = (((bench.get(arm.study) or {}).get("arms") or {}).get(name) or {}).get("baseline")
     per_step, base = seconds.get((task, name)), seconds.get((task, own_baseline or r.get("baseline")))
     timing_study = bool(r) and "recipe_speed" in bench.get("studies", ("recipe_speed",))
     if per_step is None and not timing_study:  # no recipe_speed study run: the step times the runs recorded
