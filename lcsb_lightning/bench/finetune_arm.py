@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lcsb_lightning.bench.recorder import CurveRecorder
 from lcsb_lightning.bench.spec import RESULT_NAME, Arm, diverged, settings_hash
 from lcsb_lightning.policies import FullPolicy
-from lcsb_lightning.recipes.outputs import atomic_write_json
+from lcsb_lightning.atomic_files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def run_finetune_arm_in_fresh_process(arm: Arm, out_dir: Path, cfg: DictConfig, 
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "arm.json"
-    atomic_write_json(spec, {"arm": dataclasses.asdict(arm), "config": OmegaConf.to_container(cfg),
+    atomic_write_json(spec, {"arm": dataclasses.asdict(arm), "config": OmegaConf.to_container(cfg, resolve=True),
                              "steps": steps, "eval_steps": list(eval_steps)})
     subprocess.run([sys.executable, "-m", "lcsb_lightning.bench.finetune_arm", str(spec)], check=True)
     return json.loads((out_dir / RESULT_NAME).read_text())
