@@ -17,7 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lcsb_lightning.recipes.checkpointing import AtomicCheckpointIO
-from lcsb_lightning.recipes.outputs import atomic_write_json, save_adapter
+from lcsb_lightning.atomic_files import atomic_write_json
+from lcsb_lightning.recipes.outputs import save_adapter
 
 
 def _tiny_peft(seed: int = 0) -> Any:

@@ -13,7 +13,8 @@ import torch
 
 from _recipes_utils import FAST, compose_cfg, one_thread, write_cls, write_qa  # noqa: F401
 from lcsb_lightning.recipes.checkpointing import AtomicCheckpointIO
-from lcsb_lightning.recipes.outputs import atomic_write_json, save_adapter
+from lcsb_lightning.atomic_files import atomic_write_json
+from lcsb_lightning.recipes.outputs import save_adapter
 from lcsb_lightning.recipes.train import run_finetune
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lcsb_lightning.bench.spec import RESULT_NAME, Arm, arm_dir, finished, packaged_options, pending, slug
-from lcsb_lightning.recipes.outputs import atomic_write_json
+from lcsb_lightning.atomic_files import atomic_write_json
 from lcsb_lightning.validation import check_int
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lcsb_lightning.recipes.outputs import atomic_write_json
+from lcsb_lightning.atomic_files import atomic_write_json
 
 Row = dict[str, Any]
 METRIC_KEYS = ("val/accuracy", "val/exact_match", "val/ppl")

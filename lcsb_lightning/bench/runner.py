@@ -33,7 +33,7 @@ from lcsb_lightning.bench.spec import (
     FINETUNE_STUDIES, RESULT_NAME, STUDIES, Arm, arm_dir, finetune_arms, finished, load_result, memory_arms, pending,
     recipe_speed_arms, slug, stability_arms, without_disabled_arms,
 )
-from lcsb_lightning.recipes.outputs import atomic_write_json
+from lcsb_lightning.atomic_files import atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Write a LoRA adapter as a GGUF adapter file, and a base GGUF file with the adapter merged in; each is
-renamed into place once complete (:func:`~lcsb_lightning.recipes.outputs.atomic_file`)."""
+renamed into place once complete (:func:`~lcsb_lightning.atomic_files.atomic_file`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from lcsb_lightning.export.lora_pairs import GGUFLora, gguf_lora
 from lcsb_lightning.mebp._internal.gguf_file import GGUFFile
-from lcsb_lightning.recipes.outputs import atomic_file
+from lcsb_lightning.atomic_files import atomic_file
 
 #: Tensor types a merged tensor can be stored in.
 MERGED_TYPES: tuple[str, ...] = ("F16", "Q8_0")

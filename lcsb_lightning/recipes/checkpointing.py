@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lcsb_lightning.recipes.outputs import atomic_file
+from lcsb_lightning.atomic_files import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _YIELDED = "_num_yielded"  # the batches a single-process StatefulDataLoader ite
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` that writes through :func:`~lcsb_lightning.recipes.outputs.atomic_file`.
+    """``TorchCheckpointIO`` that writes through :func:`~lcsb_lightning.atomic_files.atomic_file`.
 
     Lightning's own write moves a temporary file, which between filesystems (a tmpfs ``/tmp``) copies into the
     destination: a full disk or a crash mid-copy leaves a truncated file where the previous checkpoint was.

@@ -36,7 +36,8 @@ from lcsb_lightning.recipes.checkpointing import (
 from lcsb_lightning.recipes.config import check_config
 from lcsb_lightning.recipes.models import ModelBundle, SameWeightsOnEveryRank
 from lcsb_lightning.recipes.module import CausalLMModule
-from lcsb_lightning.recipes.outputs import atomic_write_json, atomic_write_text, write_loss_curve
+from lcsb_lightning.atomic_files import atomic_write_json, atomic_write_text
+from lcsb_lightning.recipes.outputs import write_loss_curve
 from lcsb_lightning.recipes.progress import LCSBProgressBar, StepTimer, final_table
 from lcsb_lightning.recipes.tasks import Task, TaskData
 
