@@ -121,14 +121,15 @@ class SelectiveForward:
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        if self.cuts() and _in_backward():
+        cut = self.cuts()
+        if cut and _in_backward():
             # A reentrant checkpoint applied outside this wrapper ran the forward without gradients, so
             # nothing was cut, and now recomputes it in backward: it must run as it did.
             self.sinks.warn_uncut(self.index)
             return inner(*args, **kwargs)
         if self.first:  # a new forward pass: nothing is pending from an earlier one
             self.sinks.pending = []
-        if not self.cuts():
+        if not cut:
             return self.sinks.flush_into(inner(*args, **kwargs))
         hidden_in = hidden_input(args, kwargs)
         with torch.no_grad():
@@ -158,7 +159,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def cuts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def cuts(block: nn.Module) -> bool:
     """Whether LCSB cuts this call of ``block`` (False where LCSB is not installed)."""
     wrapper = get_wrapper(block, SELECTIVE_WRAPPER)
     return isinstance(wrapper, SelectiveForward) and wrapper.cuts()

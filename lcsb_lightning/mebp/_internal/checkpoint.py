@@ -68,7 +68,7 @@ class BlockCheckpoint:
         return output
 
     def _run(self, inner: Callable[..., Any], device: torch.device, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or cuts(self.block, args, kwargs) or is_frozen(self.block):
+        if not torch.is_grad_enabled() or cuts(self.block) or is_frozen(self.block):
             return inner(*args, **kwargs)
         context = self.saved_tensors_context() if self.saved_tensors_context is not None else contextlib.nullcontext()
         if not self.checkpoint_blocks:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lcsb_lightning.mebp._internal.formats import Packed
+from lcsb_lightning.mebp._internal.stored import Packed
 from lcsb_lightning.rank_zero import rank_zero_info
 
 _MADV_DONTNEED = 4  # the same value on Linux and macOS
