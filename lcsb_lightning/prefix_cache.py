@@ -79,7 +79,7 @@ class FrozenBlockForward:
         if not prefix.active(self.index) or batch is None:
             output = inner(*args, **kwargs)
             if self.index == len(prefix.blocks) - 1 and batch is not None and batch.named() and prefix.active(0):
-                output = store.watch(batch.rows, output, batch.replayed, leaf=False)
+                output = store.watch_top(batch.rows, output, batch.replayed)
             return output
         last = self.index == prefix.frozen - 1
         hidden_in = hidden_input(args, kwargs)
@@ -99,7 +99,7 @@ class FrozenBlockForward:
                 assert batch.probe is not None
                 store.remember(batch.rows, batch.probe, output)
         if last and named:
-            output = store.watch(batch.rows, output, batch.replayed, leaf=True)
+            output = store.watch_leaf(batch.rows, output, batch.replayed)
         if last and prefix.frozen < len(prefix.blocks) and uses_reentrant_checkpoint(prefix.blocks[prefix.frozen]):
             # a reentrant checkpoint back-propagates only into inputs that require grad
             output = replace_hidden(output, _requiring_grad)

@@ -157,26 +157,34 @@ class OutputStore:
             parts.append(F.pad(value[:count], (0, 0, 0, width - count)))
         return torch.stack(parts).to(device=device, dtype=self.activation_dtype)
 
-    def watch(self, rows: list[Row], output: Any, replayed: bool, leaf: bool) -> Any:
-        """Have :meth:`check_padding` read the gradient of ``output``'s hidden states at the padded positions until
-        a step has shown whether the loss reads them, and where a replay put zeros there (``replayed``).
-
-        ``leaf=False``: the top block's output (the head works position by position); ``leaf=True``: block
-        ``frozen - 1``'s, returned as a leaf (a zero there also shows that nothing the loss reads attends to them).
-        """
-        hidden = _hidden(output)
-        if (self.max_bytes == 0 or self.padding_read or (self.padding_read is False and not replayed)
-                or not (leaf or hidden.requires_grad)):
-            return output
+    def _padded(self, rows: list[Row], hidden: torch.Tensor, replayed: bool) -> torch.Tensor | None:
+        """The batch's padded positions while a step has yet to show whether the loss reads them (or where a replay
+        put zeros there: ``replayed``); None when there is nothing to watch."""
+        if self.max_bytes == 0 or self.padding_read or (self.padding_read is False and not replayed):
+            return None
         width = hidden.shape[1]
         lengths = [width if row.length is None else min(row.length, width) for row in rows]
         if all(length == width for length in lengths):
-            return output
-        padded = torch.arange(width, device=hidden.device) >= torch.tensor(lengths, device=hidden.device).unsqueeze(1)
-        zeros_there = self.padding_read is False
-        if not leaf:
+            return None
+        return torch.arange(width, device=hidden.device) >= torch.tensor(lengths, device=hidden.device).unsqueeze(1)
+
+    def watch_top(self, rows: list[Row], output: Any, replayed: bool) -> Any:
+        """Have :meth:`check_padding` read the gradient of the top block's hidden states at the padded positions (the
+        head works position by position)."""
+        hidden = _hidden(output)
+        padded = self._padded(rows, hidden, replayed) if hidden.requires_grad else None
+        if padded is not None:
+            zeros_there = self.padding_read is False
             hidden.register_hook(lambda grad: self.check_padding(grad, padded, zeros_there))
+        return output
+
+    def watch_leaf(self, rows: list[Row], output: Any, replayed: bool) -> Any:
+        """Block ``frozen - 1``'s output as a leaf whose gradient :meth:`check_padding` reads at the padded positions (a
+        zero there also shows that nothing the loss reads attends to them)."""
+        padded = self._padded(rows, _hidden(output), replayed)
+        if padded is None:
             return output
+        zeros_there = self.padding_read is False
 
         def check(tensor: torch.Tensor) -> None:
             grad, tensor.grad = tensor.grad, None
