@@ -1,5 +1,4 @@
-"""Files and folders written beside their destination and renamed into place: a reader never sees one half-written,
-and a failed write leaves the previous one intact (run outputs, checkpoints, GGUF files, benchmark results)."""
+"""Files written beside their destination and renamed into place (run outputs, checkpoints, GGUF files, results)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ def hidden_path_beside(path: Path, create: Callable[[Path], Any]) -> tuple[Path,
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """A new file beside ``path``, fsynced and renamed onto it once written: ``path`` is never half-written, and a
-    failed write leaves the previous file intact. It gets the umask's permissions, not ``mkstemp``'s ``0o600``:
-    a run's outputs are shared or copied. ``handle.name`` is the new file's path."""
+    """A new file beside ``path``, fsynced and renamed onto it once written (``path`` is never half-written; a failed
+    write leaves it intact), with the umask's permissions for outputs that are copied; ``handle.name`` is its path."""
     encoding = {} if "b" in mode else {"encoding": "utf-8"}
     tmp, handle = hidden_path_beside(path, lambda fresh: open(fresh, mode.replace("w", "x"), **encoding))
     try:

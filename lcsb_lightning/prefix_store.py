@@ -158,8 +158,7 @@ class OutputStore:
         return torch.stack(parts).to(device=device, dtype=self.activation_dtype)
 
     def _padded(self, rows: list[Row], hidden: torch.Tensor, replayed: bool) -> torch.Tensor | None:
-        """The batch's padded positions while a step has yet to show whether the loss reads them (or where a replay
-        put zeros there: ``replayed``); None when there is nothing to watch."""
+        """The padded positions while the loss may read them, or a replay put zeros there; None: nothing to watch."""
         if self.max_bytes == 0 or self.padding_read or (self.padding_read is False and not replayed):
             return None
         width = hidden.shape[1]
@@ -169,8 +168,7 @@ class OutputStore:
         return torch.arange(width, device=hidden.device) >= torch.tensor(lengths, device=hidden.device).unsqueeze(1)
 
     def watch_top(self, rows: list[Row], output: Any, replayed: bool) -> Any:
-        """Have :meth:`check_padding` read the gradient of the top block's hidden states at the padded positions (the
-        head works position by position)."""
+        """:meth:`check_padding` on the top block's hidden-state gradient (the head works position by position)."""
         hidden = _hidden(output)
         padded = self._padded(rows, hidden, replayed) if hidden.requires_grad else None
         if padded is not None:
@@ -179,8 +177,8 @@ class OutputStore:
         return output
 
     def watch_leaf(self, rows: list[Row], output: Any, replayed: bool) -> Any:
-        """Block ``frozen - 1``'s output as a leaf whose gradient :meth:`check_padding` reads at the padded positions (a
-        zero there also shows that nothing the loss reads attends to them)."""
+        """Block ``frozen - 1``'s output as a leaf whose gradient :meth:`check_padding` reads (a zero there also shows
+        that nothing the loss reads attends to the padded positions)."""
         padded = self._padded(rows, _hidden(output), replayed)
         if padded is None:
             return output
